@@ -1,0 +1,37 @@
+# One-command set-up and checks for a fresh machine. `make demo` and `make test` create the virtual environment.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+# The CPU build of torch must be installed before anything that depends on torch: a bare `torch` requirement in a
+# fresh environment resolves to a CUDA build of several GB.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-standalone lint docs clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test,docs]"
+	touch $@
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	$(PY) -m pytest tests -q
+
+test-standalone: setup
+	bash tests/run_standalone_tests.sh
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+docs: setup
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs/source-fabric docs/build/html
+
+clean:
+	rm -rf $(VENV) docs/build build *.egg-info src/*.egg-info

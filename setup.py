@@ -1,0 +1,51 @@
+import os
+from importlib.util import module_from_spec, spec_from_file_location
+
+from setuptools import find_packages, setup
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load_about() -> object:
+    spec = spec_from_file_location("__about__", os.path.join(_HERE, "src", "lightning_fsdp", "__about__.py"))
+    about = module_from_spec(spec)
+    spec.loader.exec_module(about)
+    return about
+
+
+about = _load_about()
+lightning_min, lightning_max = about._SUPPORTED_LIGHTNING
+torch_min, torch_max = about._SUPPORTED_TORCH
+
+with open(os.path.join(_HERE, "README.md"), encoding="utf-8") as fh:
+    long_description = fh.read()
+
+setup(
+    name="lightning-fsdp",
+    version=about.__version__,
+    description=about.__docs__,
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    author=about.__author__,
+    license=about.__license__,
+    python_requires=">=3.10",
+    package_dir={"": "src"},
+    packages=find_packages(where="src"),
+    install_requires=[
+        f"lightning>={lightning_min},<{lightning_max}",
+        f"torch>={torch_min}",
+        "safetensors>=0.4",
+        "tqdm>=4.66",
+        "typing-extensions>=4.4",
+    ],
+    extras_require={
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "ruff>=0.6", "psutil>=5.9"],
+        "docs": ["sphinx>=7.2", "myst-parser>=2.0"],
+    },
+    entry_points={"console_scripts": ["lightning-fsdp=lightning_fsdp.cli:main"]},
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

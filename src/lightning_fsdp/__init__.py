@@ -1,0 +1,10 @@
+"""lightning-fsdp: memory-bounded, device-correct checkpoint loading for Lightning Fabric's ``FSDPStrategy``."""
+
+from lightning_fsdp._versions import _check_supported_versions
+
+_check_supported_versions()
+
+from lightning_fsdp.__about__ import __version__  # noqa: E402
+from lightning_fsdp.strategy import FSDPStrategy  # noqa: E402
+
+__all__ = ["FSDPStrategy", "__version__"]

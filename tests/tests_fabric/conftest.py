@@ -1,0 +1,71 @@
+import os
+
+import pytest
+import torch.distributed
+
+# Variables that launchers, cluster environments and Fabric itself set. A test that leaks one of them changes how
+# every following test detects its environment, so they are restored after each test.
+_ENV_VARS_TO_RESTORE = (
+    "CUDA_VISIBLE_DEVICES",
+    "GROUP_RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "PL_GLOBAL_SEED",
+    "PL_SEED_WORKERS",
+    "RANK",
+    "ROLE_RANK",
+    "SLURM_JOB_NAME",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_PROCID",
+    "TORCHELASTIC_RUN_ID",
+    "WORLD_SIZE",
+)
+
+
+@pytest.fixture(autouse=True)
+def restore_env_variables():
+    """Restore the environment variables that launchers and cluster environments read or write."""
+    saved = {name: os.environ.get(name) for name in _ENV_VARS_TO_RESTORE}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def teardown_process_group():
+    """Destroy a process group a test left behind, so the next test can create its own."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def reset_rank_zero_only():
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    rank = getattr(rank_zero_only, "rank", 0)
+    yield
+    rank_zero_only.rank = rank
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item], config: pytest.Config) -> None:
+    """With ``PL_RUN_STANDALONE_TESTS=1``, keep only the tests marked standalone (as Lightning's suite does)."""
+    if os.getenv("PL_RUN_STANDALONE_TESTS", "0") != "1":
+        return
+    selected, deselected = [], []
+    for item in items:
+        is_standalone = any(
+            marker.name == "skipif" and marker.kwargs.get("standalone") for marker in item.iter_markers()
+        )
+        (selected if is_standalone else deselected).append(item)
+    config.hook.pytest_deselected(items=deselected)
+    items[:] = selected

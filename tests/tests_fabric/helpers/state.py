@@ -1,0 +1,55 @@
+"""Gather the full state of an FSDP model and optimizer on every rank, to compare it bit-exact."""
+
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.nn import Module
+from torch.optim import Optimizer
+
+
+def gather_full_state(model: Module, optimizer: Optimizer | None = None) -> dict[str, Any]:
+    """Return ``{"model": ..., "optimizer": ...}`` with unsharded CPU tensors, the same on every rank."""
+    module = getattr(model, "_forward_module", model)
+    with FSDP.state_dict_type(
+        module,
+        StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=False, rank0_only=False),
+        FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False),
+    ):
+        state: dict[str, Any] = {"model": _to_cpu(module.state_dict())}
+        if optimizer is not None:
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+            state["optimizer"] = _to_cpu(FSDP.optim_state_dict(module, optimizer))
+    return state
+
+
+def assert_same_state(actual: Any, expected: Any, path: str = "") -> None:
+    """Assert that two nested states hold bit-identical tensors and equal values, naming the first difference."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual).__name__}"
+        assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{path}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        assert torch.equal(actual.cpu(), expected.cpu()), f"{path}: values differ"
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict), f"{path}: expected a dict, got {type(actual).__name__}"
+        assert set(actual) == set(expected), f"{path}: keys {sorted(map(str, actual))} != {sorted(map(str, expected))}"
+        for key in expected:
+            assert_same_state(actual[key], expected[key], f"{path}.{key}" if path else str(key))
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
+        for index, (a, e) in enumerate(zip(actual, expected, strict=False)):
+            assert_same_state(a, e, f"{path}[{index}]")
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {key: _to_cpu(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(value) for value in obj)
+    return obj

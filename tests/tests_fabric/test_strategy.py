@@ -1,0 +1,81 @@
+"""The strategy class itself: compatibility with upstream, and what changes only through this class."""
+
+import inspect
+
+import lightning.fabric.strategies
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import FSDPStrategy as UpstreamFSDPStrategy
+from lightning.fabric.strategies.fsdp import _FSDP_ALIASES
+
+import lightning_fsdp
+from lightning_fsdp import FSDPStrategy
+from tests.tests_fabric.helpers.distributed import run_distributed
+from tests.tests_fabric.helpers.models import Block, TinyTransformer
+
+
+def test_is_an_upstream_fsdp_strategy():
+    """Downstream code (litgpt's ``load_checkpoint``, Fabric's connector) dispatches on the upstream class."""
+    strategy = FSDPStrategy()
+    assert isinstance(strategy, UpstreamFSDPStrategy)
+    assert isinstance(strategy, lightning.fabric.strategies.FSDPStrategy)
+    assert isinstance(strategy, lightning.fabric.strategies.fsdp.FSDPStrategy)
+    assert isinstance(strategy, lightning.fabric.strategies.ParallelStrategy)
+
+
+def test_accepts_every_upstream_argument():
+    upstream_parameters = inspect.signature(UpstreamFSDPStrategy.__init__).parameters
+    ours = inspect.signature(FSDPStrategy.__init__).parameters
+    assert set(upstream_parameters) - {"kwargs"} <= set(ours)
+    strategy = FSDPStrategy(
+        cpu_offload=True,
+        sharding_strategy="SHARD_GRAD_OP",
+        state_dict_type="full",
+        auto_wrap_policy={Block},
+        activation_checkpointing_policy={Block},
+        limit_all_gathers=True,
+    )
+    assert strategy.cpu_offload.offload_params
+    assert strategy.sharding_strategy.name == "SHARD_GRAD_OP"
+    assert strategy._state_dict_type == "full"
+    assert strategy._fsdp_kwargs["limit_all_gathers"] is True
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", *_FSDP_ALIASES, UpstreamFSDPStrategy()])
+def test_upstream_class_still_refuses_cpu(strategy):
+    """Behaviour changes only through this package's class: upstream's keeps refusing CPU as it does today."""
+    with pytest.raises(ValueError, match="FSDP is only available on GPU"):
+        Fabric(accelerator="cpu", devices=2, strategy=strategy)
+
+
+def test_fabric_accepts_our_class_on_cpu():
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy())
+    assert isinstance(fabric.strategy, FSDPStrategy)
+    assert fabric.strategy.root_device == torch.device("cpu")
+
+
+def test_version_is_exposed():
+    assert isinstance(lightning_fsdp.__version__, str)
+
+
+def _upstream_wrap_on_cpu() -> str:
+    """Upstream passes ``device_id=None`` on CPU, which torch's FSDP refuses."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDPStrategy())
+    fabric.launch()
+    try:
+        FullyShardedDataParallel(TinyTransformer(), device_id=None)
+    except RuntimeError as error:
+        upstream_error = str(error)
+    else:  # pragma: no cover - means torch changed and the workaround may no longer be needed
+        upstream_error = ""
+    model = fabric.setup_module(TinyTransformer())
+    assert next(model.parameters()).device.type == "cpu"
+    return upstream_error
+
+
+def test_cpu_wrapping_works_where_upstream_arguments_fail():
+    (error,) = run_distributed(_upstream_wrap_on_cpu, devices=1)
+    assert "FSDP needs a non-CPU accelerator device" in error
