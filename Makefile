@@ -31,7 +31,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 docs: setup
-	$(VENV)/bin/sphinx-build -W --keep-going -b html docs/source-fabric docs/build/html
+	$(VENV)/bin/sphinx-build -W --keep-going -E -b html docs/source-fabric docs/build/html
 
 clean:
 	rm -rf $(VENV) docs/build build *.egg-info src/*.egg-info
