@@ -1,0 +1,386 @@
+"""Tell checkpoint layouts apart by their content, and read tensors from them without copying the whole file.
+
+Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+"""
+
+import json
+import math
+import pickle
+import zipfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_fsdp.loading.errors import CheckpointLoadError
+
+#: The file that marks a sharded checkpoint written by ``fabric.save`` (the metadata of the user's state).
+_FABRIC_METADATA_FILENAME = "meta.pt"
+#: The file that torch's distributed checkpoint (DCP) writes into every checkpoint directory.
+_DCP_METADATA_FILENAME = ".metadata"
+#: Single-file Hugging Face checkpoints that a directory may hold instead of an index.
+_HF_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+#: Preferred when a directory holds indexes for both formats (safetensors reads lazily and never unpickles).
+_HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointFormat(str, Enum):
+    """The on-disk formats the loader reads."""
+
+    FABRIC_SHARDED = "fabric-sharded"
+    """A directory of distributed checkpoint shards, as ``fabric.save`` writes it with ``state_dict_type="sharded"``."""
+    TORCH_ZIP = "torch-zip"
+    """A ``torch.save`` file in the zip format (the default since torch 1.6): read lazily through ``mmap``."""
+    TORCH_LEGACY = "torch-legacy"
+    """A ``torch.save`` file in the legacy format (``_use_new_zipfile_serialization=False``): read whole."""
+    SAFETENSORS = "safetensors"
+    """A ``.safetensors`` file: read lazily, slice by slice, and never unpickled."""
+    HF_INDEX = "hf-index"
+    """A Hugging Face sharded checkpoint: an ``*.index.json`` naming the file that holds each tensor."""
+
+    @property
+    def lazy(self) -> bool:
+        """Whether a rank can read just the bytes it needs, without materialising the whole source in memory."""
+        return self is not CheckpointFormat.TORCH_LEGACY
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The shape and dtype of a tensor in a checkpoint, known without reading its data."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class DetectedCheckpoint:
+    """What :func:`detect_checkpoint` found at a path."""
+
+    path: Path
+    """The file to read (for a directory holding a Hugging Face checkpoint, the index or weights file in it)."""
+    format: CheckpointFormat
+    files: tuple[Path, ...]
+    """Every file the checkpoint consists of (the shards of an index; the path itself otherwise)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(file.stat().st_size for file in self.files if file.is_file())
+
+
+def detect_checkpoint(path: str | Path) -> DetectedCheckpoint:
+    """Find out which checkpoint format ``path`` holds, from its content rather than its name.
+
+    Raises:
+        CheckpointLoadError: If the path does not exist, is empty, or holds nothing the loader can read. The message
+            says what was found.
+
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointLoadError(
+            f"The checkpoint path {str(path)!r} does not exist. Check the path (it must be reachable from every node)."
+        )
+    if path.is_dir():
+        return _detect_directory(path)
+    file_format = _sniff_file(path)
+    if file_format is CheckpointFormat.HF_INDEX:
+        return DetectedCheckpoint(path, file_format, _index_shard_files(path))
+    return DetectedCheckpoint(path, file_format, (path,))
+
+
+def _detect_directory(path: Path) -> DetectedCheckpoint:
+    if (path / _DCP_METADATA_FILENAME).is_file() or (path / _FABRIC_METADATA_FILENAME).is_file():
+        return DetectedCheckpoint(path, CheckpointFormat.FABRIC_SHARDED, tuple(sorted(p for p in path.iterdir())))
+    indexes = [path / name for name in _HF_INDEX_FILES if (path / name).is_file()]
+    indexes += sorted(p for p in path.glob("*.index.json") if p not in indexes)
+    if indexes:
+        return DetectedCheckpoint(indexes[0], CheckpointFormat.HF_INDEX, _index_shard_files(indexes[0]))
+    for name in _HF_SINGLE_FILES:
+        if (path / name).is_file():
+            weights = path / name
+            return DetectedCheckpoint(weights, _sniff_file(weights), (weights,))
+    contents = sorted(p.name for p in path.iterdir())
+    shown = ", ".join(contents[:10]) + (f", ... ({len(contents)} entries)" if len(contents) > 10 else "")
+    raise CheckpointLoadError(
+        f"The directory {str(path)!r} holds no checkpoint. Expected a sharded Fabric checkpoint (`meta.pt` and"
+        f" `.metadata`), a Hugging Face index (`*.index.json`), or one of {', '.join(_HF_SINGLE_FILES)}."
+        f" It contains: {shown or 'nothing'}."
+    )
+
+
+def _sniff_file(path: Path) -> CheckpointFormat:
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointLoadError(f"The checkpoint file {str(path)!r} is empty (0 bytes). Was the save interrupted?")
+    with open(path, "rb") as file:
+        head = file.read(16)
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return CheckpointFormat.TORCH_ZIP
+    if head.startswith(b"\x80"):  # a pickle (protocol 2+): torch's legacy format starts with its pickled magic number
+        return CheckpointFormat.TORCH_LEGACY
+    if len(head) > 8 and head[8:9] == b"{" and 8 + int.from_bytes(head[:8], "little") <= size:
+        return CheckpointFormat.SAFETENSORS
+    if head.lstrip()[:1] == b"{":
+        return CheckpointFormat.HF_INDEX
+    raise CheckpointLoadError(
+        f"The file {str(path)!r} is not a checkpoint format lightning-fsdp reads: neither a `torch.save` file (zip or"
+        f" legacy), a safetensors file, nor a Hugging Face `*.index.json`. Its first bytes are {head[:8].hex(' ')}."
+    )
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointLoadError(f"The index file {str(path)!r} is not valid JSON: {error}.") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointLoadError(
+            f"The JSON file {str(path)!r} is not a Hugging Face checkpoint index: it has no `weight_map` that maps"
+            " tensor names to file names."
+        )
+    return weight_map
+
+
+def _index_shard_files(path: Path) -> tuple[Path, ...]:
+    shard_names = sorted(set(_read_index(path).values()))
+    missing = [name for name in shard_names if not (path.parent / name).is_file()]
+    if missing:
+        raise CheckpointLoadError(
+            f"The index {str(path)!r} names {len(missing)} shard file(s) that do not exist next to it:"
+            f" {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}. Download or copy the missing shards."
+        )
+    return tuple(path.parent / name for name in shard_names)
+
+
+def load_torch_file(path: Path, file_format: CheckpointFormat, weights_only: bool) -> Any:
+    """Unpickle a ``torch.save`` file with every storage on the CPU, lazily (``mmap``) where the format allows.
+
+    Storages always go to the CPU first, whatever device the file recorded: a file saved from ``cuda:0`` must not
+    touch ``cuda:0`` from another rank, and must load on a machine without a GPU.
+
+    """
+    mmap = file_format is CheckpointFormat.TORCH_ZIP
+    try:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
+    except pickle.UnpicklingError as error:
+        if weights_only:
+            raise CheckpointLoadError(
+                f"Refused to unpickle {str(path)!r}: it holds objects other than tensors and plain containers, which"
+                " could run code when loaded (the payload was not run). If you trust the file and its author, load"
+                f" it with `weights_only=False`. Details: {_first_line(error)}"
+            ) from None
+        raise CheckpointLoadError(f"The file {str(path)!r} is not a readable `torch.save` file: {error}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
+        raise CheckpointLoadError(
+            f"The file {str(path)!r} could not be read as a `torch.save` checkpoint: it looks truncated or corrupt"
+            f" ({_first_line(error)}). Re-copy or re-save it."
+        ) from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class TensorSource:
+    """Named tensors that can be read whole or as a range of their flattened elements.
+
+    A range read returns only the elements asked for, so with a lazy source a rank touches only the bytes of its own
+    shard.
+
+    """
+
+    lazy: bool = True
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        """Shape and dtype of every tensor, read from the file's metadata without reading tensor data."""
+        raise NotImplementedError
+
+    def read(self, name: str) -> torch.Tensor:
+        """Return the whole tensor (a view of the mapped file where the format allows)."""
+        raise NotImplementedError
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Return elements ``[start, stop)`` of the flattened tensor."""
+        return self.read(name).reshape(-1)[start:stop]
+
+    def close(self) -> None:
+        """Release open files and mappings."""
+
+
+class DictSource(TensorSource):
+    """Tensors from an in-memory or memory-mapped state dict (what ``torch.load`` returned)."""
+
+    def __init__(self, state_dict: Mapping[str, Any], lazy: bool) -> None:
+        self._state_dict = state_dict
+        self.lazy = lazy
+        not_tensors = {k: type(v).__name__ for k, v in state_dict.items() if not isinstance(v, torch.Tensor)}
+        if not_tensors:
+            shown = ", ".join(f"{k!r} ({t})" for k, t in list(not_tensors.items())[:5])
+            raise CheckpointLoadError(
+                f"The state dict holds {len(not_tensors)} value(s) that are not tensors where tensors are expected:"
+                f" {shown}{', ...' if len(not_tensors) > 5 else ''}. A module state dict maps parameter and buffer"
+                " names to tensors."
+            )
+        self._specs = {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in state_dict.items()}
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._state_dict[name]
+
+    def close(self) -> None:
+        self._state_dict = {}
+
+
+class SafetensorsSource(TensorSource):
+    """Tensors from one or more safetensors files, read slice by slice."""
+
+    def __init__(self, files: Mapping[str, Path] | Path) -> None:
+        from safetensors import safe_open
+
+        paths = sorted(set(files.values())) if isinstance(files, Mapping) else [files]
+        self._handles: dict[Path, Any] = {}
+        self._file_of: dict[str, Path] = {}
+        self._specs: dict[str, TensorSpec] = {}
+        for path in paths:
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as error:  # safetensors raises its own error types (SafetensorError, OSError, ...)
+                raise CheckpointLoadError(
+                    f"The safetensors file {str(path)!r} could not be read: {_first_line(error)}. It looks truncated"
+                    " or corrupt; re-copy it."
+                ) from None
+            self._handles[path] = handle
+            for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not a mapping
+                tensor_slice = handle.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(tensor_slice.get_dtype())
+                if dtype is None:
+                    raise CheckpointLoadError(
+                        f"The tensor {name!r} in {str(path)!r} has dtype {tensor_slice.get_dtype()}, which"
+                        " lightning-fsdp does not read."
+                    )
+                self._specs[name] = TensorSpec(tuple(tensor_slice.get_shape()), dtype)
+                self._file_of[name] = path
+        if isinstance(files, Mapping):
+            _check_index_matches(files, self._file_of)
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._handles[self._file_of[name]].get_tensor(name)
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        shape = self._specs[name].shape
+        if len(shape) == 0 or start >= stop:
+            return self.read(name).reshape(-1)[start:stop]
+        # safetensors slices along dimensions: read the rows that cover the range, then trim to the exact elements.
+        row = math.prod(shape[1:])
+        if row == 0:
+            return self.read(name).reshape(-1)[start:stop]
+        first_row, end_row = start // row, -(-stop // row)
+        rows = self._handles[self._file_of[name]].get_slice(name)[first_row:end_row]
+        offset = first_row * row
+        return rows.reshape(-1)[start - offset : stop - offset]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class MergedSource(TensorSource):
+    """Several sources seen as one (the shards of a Hugging Face ``pytorch_model.bin`` index)."""
+
+    def __init__(self, sources: list[TensorSource]) -> None:
+        self._sources = sources
+        self.lazy = all(source.lazy for source in sources)
+        self._owner: dict[str, TensorSource] = {}
+        self._specs: dict[str, TensorSpec] = {}
+        for source in sources:
+            for name, spec in source.specs().items():
+                self._owner[name] = source
+                self._specs[name] = spec
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._owner[name].read(name)
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._owner[name].read_flat(name, start, stop)
+
+    def close(self) -> None:
+        for source in self._sources:
+            source.close()
+
+
+def _check_index_matches(weight_map: Mapping[str, Path], file_of: Mapping[str, Path]) -> None:
+    absent = [name for name, file in weight_map.items() if file_of.get(name) != file]
+    if absent:
+        raise CheckpointLoadError(
+            f"The checkpoint index names {len(absent)} tensor(s) that are not in the shard it points to:"
+            f" {', '.join(repr(n) for n in absent[:5])}{', ...' if len(absent) > 5 else ''}. The index and its shards"
+            " do not belong together; re-download the checkpoint."
+        )
+
+
+def open_index(path: Path, weights_only: bool) -> TensorSource:
+    """Open a Hugging Face sharded checkpoint from its ``*.index.json``."""
+    weight_map = {name: path.parent / file for name, file in _read_index(path).items()}
+    shard_formats = {file: _sniff_file(file) for file in sorted(set(weight_map.values()))}
+    if all(fmt is CheckpointFormat.SAFETENSORS for fmt in shard_formats.values()):
+        return SafetensorsSource(weight_map)
+    sources: list[TensorSource] = []
+    for file, fmt in shard_formats.items():
+        if fmt is CheckpointFormat.SAFETENSORS:
+            sources.append(SafetensorsSource(file))
+        elif fmt in (CheckpointFormat.TORCH_ZIP, CheckpointFormat.TORCH_LEGACY):
+            sources.append(DictSource(_as_state_dict(load_torch_file(file, fmt, weights_only), file), lazy=fmt.lazy))
+        else:
+            raise CheckpointLoadError(f"The shard {str(file)!r} of index {str(path)!r} is not a weights file.")
+    merged = MergedSource(sources)
+    _check_index_matches(weight_map, {name: file for name, file in _files_by_name(sources, shard_formats)})
+    return merged
+
+
+def _files_by_name(sources: list[TensorSource], shard_formats: Mapping[Path, CheckpointFormat]) -> Iterator:
+    for source, file in zip(sources, shard_formats, strict=True):
+        for name in source.specs():
+            yield name, file
+
+
+def _as_state_dict(obj: Any, path: Path) -> Mapping[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise CheckpointLoadError(
+            f"The file {str(path)!r} holds a {type(obj).__name__}, not a state dict (a dict of tensors)."
+        )
+    return obj

@@ -1,0 +1,54 @@
+"""Write one module state dict in every format the loader reads, as users get them from elsewhere."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+FORMATS = ("torch-zip", "torch-legacy", "safetensors", "hf-index-safetensors", "hf-index-bin", "hf-directory")
+
+
+def write_checkpoint(state_dict: dict[str, torch.Tensor], directory: Path, fmt: str) -> Path:
+    """Write ``state_dict`` in format ``fmt`` under ``directory``; return the path a user would pass to load it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if fmt == "torch-zip":
+        path = directory / "lit-llama.pth"
+        torch.save(state_dict, path)
+    elif fmt == "torch-legacy":
+        path = directory / "legacy.pth"
+        torch.save(state_dict, path, _use_new_zipfile_serialization=False)
+    elif fmt == "safetensors":
+        path = directory / "model.safetensors"
+        save_file(_unshared(state_dict), path)
+    elif fmt in ("hf-index-safetensors", "hf-index-bin", "hf-directory"):
+        path = _write_hf_sharded(state_dict, directory, binary=fmt == "hf-index-bin")
+        if fmt == "hf-directory":
+            path = directory
+    else:
+        raise ValueError(fmt)
+    return path
+
+
+def _write_hf_sharded(state_dict: dict[str, torch.Tensor], directory: Path, binary: bool) -> Path:
+    names = list(state_dict)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    suffix = "bin" if binary else "safetensors"
+    prefix = "pytorch_model" if binary else "model"
+    weight_map = {}
+    for index, shard_names in enumerate(halves, start=1):
+        file_name = f"{prefix}-{index:05d}-of-{len(halves):05d}.{suffix}"
+        shard = _unshared({name: state_dict[name] for name in shard_names})
+        if binary:
+            torch.save(shard, directory / file_name)
+        else:
+            save_file(shard, directory / file_name)
+        weight_map.update(dict.fromkeys(shard_names, file_name))
+    index_path = directory / f"{prefix}.{suffix}.index.json"
+    index_path.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return index_path
+
+
+def _unshared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses tensors that share memory (tied weights): store each one on its own, as exporters do.
+    return {name: tensor.detach().clone().contiguous() for name, tensor in state_dict.items()}

@@ -1,0 +1,187 @@
+"""Format detection and reading, in one process: every format, and every kind of bad input."""
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint, load_torch_file, open_index
+from lightning_fsdp.loading.loader import open_checkpoint
+from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
+from tests.tests_fabric.helpers.models import TinyTransformer
+from tests.tests_fabric.helpers.runif import RunIf
+
+_EXPECTED_FORMAT = {
+    "torch-zip": CheckpointFormat.TORCH_ZIP,
+    "torch-legacy": CheckpointFormat.TORCH_LEGACY,
+    "safetensors": CheckpointFormat.SAFETENSORS,
+    "hf-index-safetensors": CheckpointFormat.HF_INDEX,
+    "hf-index-bin": CheckpointFormat.HF_INDEX,
+    "hf-directory": CheckpointFormat.HF_INDEX,
+}
+
+
+@pytest.fixture
+def state_dict():
+    torch.manual_seed(0)
+    return TinyTransformer().state_dict()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_detects_and_reads_every_format(tmp_path, state_dict, fmt):
+    path = write_checkpoint(state_dict, tmp_path, fmt)
+    detected = detect_checkpoint(path)
+    assert detected.format is _EXPECTED_FORMAT[fmt]
+    assert detected.nbytes > 0
+    opened = open_checkpoint(detected, module_key=None, weights_only=True)
+    assert opened.raw
+    specs = opened.source.specs()
+    assert set(specs) == set(state_dict)
+    for name, tensor in state_dict.items():
+        assert specs[name].shape == tuple(tensor.shape)
+        assert specs[name].dtype == tensor.dtype
+        assert torch.equal(opened.source.read(name), tensor)
+        flat = tensor.reshape(-1)
+        for start, stop in [(0, flat.numel()), (1, max(1, flat.numel() - 1)), (flat.numel() // 2, flat.numel())]:
+            assert torch.equal(opened.source.read_flat(name, start, stop), flat[start:stop]), (name, start, stop)
+
+
+def test_name_does_not_decide_the_format(tmp_path, state_dict):
+    """A safetensors file named `.bin` and a torch file named `.safetensors` are read by content."""
+    write_checkpoint(state_dict, tmp_path / "a", "safetensors").rename(tmp_path / "weights.bin")
+    write_checkpoint(state_dict, tmp_path / "b", "torch-zip").rename(tmp_path / "weights.safetensors")
+    assert detect_checkpoint(tmp_path / "weights.bin").format is CheckpointFormat.SAFETENSORS
+    assert detect_checkpoint(tmp_path / "weights.safetensors").format is CheckpointFormat.TORCH_ZIP
+
+
+def test_lazy_formats():
+    assert CheckpointFormat.TORCH_ZIP.lazy
+    assert CheckpointFormat.SAFETENSORS.lazy
+    assert not CheckpointFormat.TORCH_LEGACY.lazy
+
+
+@RunIf(linux_only=True)
+def test_zip_file_is_memory_mapped(tmp_path, state_dict):
+    path = write_checkpoint(state_dict, tmp_path, "torch-zip")
+    assert str(path) not in Path("/proc/self/maps").read_text()
+    loaded = load_torch_file(path, CheckpointFormat.TORCH_ZIP, weights_only=True)
+    assert str(path) in Path("/proc/self/maps").read_text()  # backed by the file's pages, not anonymous memory
+    del loaded
+
+
+def test_cuda_tagged_file_loads_on_cpu(tmp_path):
+    """A file whose storages were saved from `cuda:0` loads onto the CPU on a machine without a GPU.
+
+    No GPU exists here, so the file is produced by rewriting the location tags that `torch.save` records: the bytes
+    are what `torch.save` writes for a tensor on `cuda:0`.
+    """
+    path = tmp_path / "cuda.pth"
+    torch.save({"weight": torch.arange(6.0).reshape(2, 3)}, path)
+    _retag_storages(path, "cpu", "cuda:0")
+    with pytest.raises(RuntimeError, match="CUDA"):  # what a plain `torch.load` does with such a file here
+        torch.load(path, weights_only=True)
+    loaded = load_torch_file(path, CheckpointFormat.TORCH_ZIP, weights_only=True)
+    assert loaded["weight"].device == torch.device("cpu")
+    assert torch.equal(loaded["weight"], torch.arange(6.0).reshape(2, 3))
+
+
+def _retag_storages(path: Path, old: str, new: str) -> None:
+    with zipfile.ZipFile(path) as archive:
+        entries = {info.filename: archive.read(info) for info in archive.infolist()}
+    pickle_name = next(name for name in entries if name.endswith("data.pkl"))
+    entries[pickle_name] = _replace_pickled_string(entries[pickle_name], old, new)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+
+
+def _replace_pickled_string(data: bytes, old: str, new: str) -> bytes:
+    # torch.save pickles with protocol 2, where a string is BINUNICODE: 'X', a 4-byte length, then the text.
+    def encode(text: str) -> bytes:
+        return b"X" + len(text).to_bytes(4, "little") + text.encode()
+
+    assert encode(old) in data
+    return data.replace(encode(old), encode(new))
+
+
+class _Payload:
+    """Unpickling this creates a marker file: proof that a pickle's code ran."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_malicious_pickle_is_refused_and_never_runs(tmp_path, legacy):
+    marker = tmp_path / "payload-ran"
+    path = tmp_path / "evil.pth"
+    torch.save(
+        {"weight": torch.zeros(2), "payload": _Payload(str(marker))},
+        path,
+        _use_new_zipfile_serialization=not legacy,
+    )
+    detected = detect_checkpoint(path)
+    with pytest.raises(CheckpointLoadError, match=r"Refused to unpickle.*weights_only=False"):
+        open_checkpoint(detected, module_key=None, weights_only=True)
+    assert not marker.exists()
+
+
+def _bad_inputs(tmp_path: Path, state_dict: dict) -> dict[str, tuple[Path, str]]:
+    """Each bad input, and a pattern its error message must match."""
+    cases: dict[str, tuple[Path, str]] = {}
+    cases["missing path"] = (tmp_path / "nope.pth", "does not exist")
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "empty_dir" / "notes.txt").write_text("hi")
+    cases["directory without checkpoint"] = (tmp_path / "empty_dir", "holds no checkpoint.*notes.txt")
+    (tmp_path / "empty.pth").write_bytes(b"")
+    cases["empty file"] = (tmp_path / "empty.pth", "is empty")
+    good = write_checkpoint(state_dict, tmp_path / "good", "torch-zip")
+    (tmp_path / "truncated.pth").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    cases["truncated zip"] = (tmp_path / "truncated.pth", "truncated or corrupt")
+    (tmp_path / "random.bin").write_bytes(bytes(range(7, 255)) * 40)
+    cases["random bytes"] = (tmp_path / "random.bin", "not a checkpoint format")
+    torch.save([torch.zeros(2), torch.ones(2)], tmp_path / "list.pth")
+    cases["pickle of a list"] = (tmp_path / "list.pth", "holds a list, not a state dict")
+    torch.save({"weight": torch.zeros(2), "note": "text", "count": 3}, tmp_path / "mixed.pth")
+    cases["non-tensor values"] = (tmp_path / "mixed.pth", "2 value.*not tensors.*'note' \\(str\\)")
+    index_dir = tmp_path / "index"
+    index = write_checkpoint(state_dict, index_dir, "hf-index-safetensors")
+    next(index_dir.glob("*-00002-of-00002.safetensors")).unlink()
+    cases["index with a missing shard"] = (index, "names 1 shard file.*do not exist.*00002-of-00002")
+    (tmp_path / "not_index.json").write_text(json.dumps({"hello": "world"}))
+    cases["json that is not an index"] = (tmp_path / "not_index.json", "not a Hugging Face checkpoint index")
+    return cases
+
+
+def test_bad_input_gets_one_clear_error(tmp_path, state_dict):
+    for case, (path, pattern) in _bad_inputs(tmp_path, state_dict).items():
+        with pytest.raises(CheckpointLoadError, match=pattern):
+            open_checkpoint(detect_checkpoint(path), module_key=None, weights_only=True)
+        print(f"{case}: ok")
+
+
+def test_index_whose_shard_lacks_a_tensor(tmp_path, state_dict):
+    index = write_checkpoint(state_dict, tmp_path, "hf-index-safetensors")
+    content = json.loads(index.read_text())
+    content["weight_map"]["extra.weight"] = next(iter(content["weight_map"].values()))
+    index.write_text(json.dumps(content))
+    with pytest.raises(CheckpointLoadError, match=r"not in the shard it points to.*extra.weight"):
+        open_index(index, weights_only=True)
+
+
+def test_fabric_checkpoint_and_raw_file_told_apart(tmp_path, state_dict):
+    torch.save({"model": state_dict, "step": 3}, tmp_path / "fabric.ckpt")
+    opened = open_checkpoint(detect_checkpoint(tmp_path / "fabric.ckpt"), module_key="model", weights_only=True)
+    assert not opened.raw
+    assert opened.entries == {"step": 3}
+    with pytest.raises(CheckpointLoadError, match=r"not a raw module state dict.*'model', 'step'.*fabric.load"):
+        open_checkpoint(detect_checkpoint(tmp_path / "fabric.ckpt"), module_key=None, weights_only=True)
+    with pytest.raises(CheckpointLoadError, match=r"no entry 'net' for the model.*'model', 'step'"):
+        open_checkpoint(detect_checkpoint(tmp_path / "fabric.ckpt"), module_key="net", weights_only=True)
