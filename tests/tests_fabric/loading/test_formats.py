@@ -11,7 +11,7 @@ import torch
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint, load_torch_file, open_index
 from lightning_fsdp.loading.loader import open_checkpoint
-from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
+from tests.tests_fabric.helpers.checkpoints import FORMATS, write_bad_inputs, write_checkpoint
 from tests.tests_fabric.helpers.models import TinyTransformer
 from tests.tests_fabric.helpers.runif import RunIf
 
@@ -133,35 +133,8 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path, legacy):
     assert not marker.exists()
 
 
-def _bad_inputs(tmp_path: Path, state_dict: dict) -> dict[str, tuple[Path, str]]:
-    """Each bad input, and a pattern its error message must match."""
-    cases: dict[str, tuple[Path, str]] = {}
-    cases["missing path"] = (tmp_path / "nope.pth", "does not exist")
-    (tmp_path / "empty_dir").mkdir()
-    (tmp_path / "empty_dir" / "notes.txt").write_text("hi")
-    cases["directory without checkpoint"] = (tmp_path / "empty_dir", "holds no checkpoint.*notes.txt")
-    (tmp_path / "empty.pth").write_bytes(b"")
-    cases["empty file"] = (tmp_path / "empty.pth", "is empty")
-    good = write_checkpoint(state_dict, tmp_path / "good", "torch-zip")
-    (tmp_path / "truncated.pth").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    cases["truncated zip"] = (tmp_path / "truncated.pth", "truncated or corrupt")
-    (tmp_path / "random.bin").write_bytes(bytes(range(7, 255)) * 40)
-    cases["random bytes"] = (tmp_path / "random.bin", "not a checkpoint format")
-    torch.save([torch.zeros(2), torch.ones(2)], tmp_path / "list.pth")
-    cases["pickle of a list"] = (tmp_path / "list.pth", "holds a list, not a state dict")
-    torch.save({"weight": torch.zeros(2), "note": "text", "count": 3}, tmp_path / "mixed.pth")
-    cases["non-tensor values"] = (tmp_path / "mixed.pth", "2 value.*not tensors.*'note' \\(str\\)")
-    index_dir = tmp_path / "index"
-    index = write_checkpoint(state_dict, index_dir, "hf-index-safetensors")
-    next(index_dir.glob("*-00002-of-00002.safetensors")).unlink()
-    cases["index with a missing shard"] = (index, "names 1 shard file.*do not exist.*00002-of-00002")
-    (tmp_path / "not_index.json").write_text(json.dumps({"hello": "world"}))
-    cases["json that is not an index"] = (tmp_path / "not_index.json", "not a Hugging Face checkpoint index")
-    return cases
-
-
 def test_bad_input_gets_one_clear_error(tmp_path, state_dict):
-    for case, (path, pattern) in _bad_inputs(tmp_path, state_dict).items():
+    for case, (path, pattern) in write_bad_inputs(tmp_path, state_dict).items():
         with pytest.raises(CheckpointLoadError, match=pattern):
             open_checkpoint(detect_checkpoint(path), module_key=None, weights_only=True)
         print(f"{case}: ok")
