@@ -1,5 +1,7 @@
 """Train, save and load back with ``lightning_fsdp.FSDPStrategy`` on real processes (CPU/gloo, and CUDA)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -77,3 +79,33 @@ def test_roundtrip_cuda(tmp_path, state_dict_type, empty_init, use_orig_params):
     config = [(state_dict_type, empty_init, use_orig_params)]
     results = run_distributed(_train_save_and_reload, "cuda", 2, str(tmp_path), config, devices=2, start_method="spawn")
     assert results == [1, 1]
+
+
+def _load_sharded_with_cuda_tagged_metadata(checkpoint_dir: str) -> str:
+    from tests.tests_fabric.helpers.checkpoints import retag_storages
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}))
+    fabric.launch()
+    model, optimizer = _make_model_and_optimizer(fabric, empty_init=True)
+    inputs, _ = make_batch(0)
+    fabric.backward(model(inputs).sum())
+    optimizer.step()
+    fabric.save(checkpoint_dir, {"model": model, "optimizer": optimizer, "step": torch.tensor(3)})
+    if fabric.global_rank == 0:
+        # As if the checkpoint had been written on a GPU machine: `meta.pt` records its storages on `cuda:0`.
+        retag_storages(Path(checkpoint_dir) / "meta.pt", "cpu", "cuda:0")
+    fabric.barrier()
+    state = {"model": model, "optimizer": optimizer, "step": None}
+    fabric.load(checkpoint_dir, state)
+    return str(state["step"].device)
+
+
+def test_sharded_checkpoint_metadata_saved_on_cuda_loads_on_cpu(tmp_path):
+    """Upstream reads `meta.pt` without `map_location`; here its storages go to the CPU whatever they recorded.
+
+    This machine has no GPU: the file's device tags are rewritten to what `torch.save` records on `cuda:0`.
+    """
+    assert run_distributed(_load_sharded_with_cuda_tagged_metadata, str(tmp_path / "sharded"), devices=2) == [
+        "cpu",
+        "cpu",
+    ]

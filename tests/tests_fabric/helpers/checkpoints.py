@@ -1,6 +1,7 @@
 """Write one module state dict in every format the loader reads, as users get them from elsewhere."""
 
 import json
+import zipfile
 from pathlib import Path
 
 import torch
@@ -79,3 +80,23 @@ def write_bad_inputs(tmp_path: Path, state_dict: dict) -> dict[str, tuple[Path, 
     (tmp_path / "not_index.json").write_text(json.dumps({"hello": "world"}))
     cases["json that is not an index"] = (tmp_path / "not_index.json", "not a Hugging Face checkpoint index")
     return cases
+
+
+def retag_storages(path: Path, old: str, new: str) -> None:
+    """Rewrite the device tags that `torch.save` recorded, e.g. to make a file look saved from `cuda:0`."""
+    with zipfile.ZipFile(path) as archive:
+        entries = {info.filename: archive.read(info) for info in archive.infolist()}
+    pickle_name = next(name for name in entries if name.endswith("data.pkl"))
+    entries[pickle_name] = _replace_pickled_string(entries[pickle_name], old, new)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+
+
+def _replace_pickled_string(data: bytes, old: str, new: str) -> bytes:
+    # torch.save pickles with protocol 2, where a string is BINUNICODE: 'X', a 4-byte length, then the text.
+    def encode(text: str) -> bytes:
+        return b"X" + len(text).to_bytes(4, "little") + text.encode()
+
+    assert encode(old) in data
+    return data.replace(encode(old), encode(new))

@@ -2,7 +2,6 @@
 
 import json
 import os
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint, load_torch_file, open_index
 from lightning_fsdp.loading.loader import open_checkpoint
-from tests.tests_fabric.helpers.checkpoints import FORMATS, write_bad_inputs, write_checkpoint
+from tests.tests_fabric.helpers.checkpoints import FORMATS, retag_storages, write_bad_inputs, write_checkpoint
 from tests.tests_fabric.helpers.models import TinyTransformer
 from tests.tests_fabric.helpers.runif import RunIf
 
@@ -81,31 +80,12 @@ def test_cuda_tagged_file_loads_on_cpu(tmp_path):
     """
     path = tmp_path / "cuda.pth"
     torch.save({"weight": torch.arange(6.0).reshape(2, 3)}, path)
-    _retag_storages(path, "cpu", "cuda:0")
+    retag_storages(path, "cpu", "cuda:0")
     with pytest.raises(RuntimeError, match="CUDA"):  # what a plain `torch.load` does with such a file here
         torch.load(path, weights_only=True)
     loaded = load_torch_file(path, CheckpointFormat.TORCH_ZIP, weights_only=True)
     assert loaded["weight"].device == torch.device("cpu")
     assert torch.equal(loaded["weight"], torch.arange(6.0).reshape(2, 3))
-
-
-def _retag_storages(path: Path, old: str, new: str) -> None:
-    with zipfile.ZipFile(path) as archive:
-        entries = {info.filename: archive.read(info) for info in archive.infolist()}
-    pickle_name = next(name for name in entries if name.endswith("data.pkl"))
-    entries[pickle_name] = _replace_pickled_string(entries[pickle_name], old, new)
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
-        for name, data in entries.items():
-            archive.writestr(name, data)
-
-
-def _replace_pickled_string(data: bytes, old: str, new: str) -> bytes:
-    # torch.save pickles with protocol 2, where a string is BINUNICODE: 'X', a 4-byte length, then the text.
-    def encode(text: str) -> bytes:
-        return b"X" + len(text).to_bytes(4, "little") + text.encode()
-
-    assert encode(old) in data
-    return data.replace(encode(old), encode(new))
 
 
 class _Payload:

@@ -1,0 +1,84 @@
+"""`lightning_fsdp.enable()`: unmodified scripts that construct upstream's `FSDPStrategy` get this package's."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.strategies import FSDPStrategy as UpstreamFSDPStrategy
+
+import lightning_fsdp
+from lightning_fsdp import FSDPStrategy
+
+_SCRIPT = Path(__file__).parent / "scripts" / "downstream_script.py"
+
+
+@pytest.fixture(autouse=True)
+def _disable_after():
+    yield
+    lightning_fsdp.disable()
+
+
+def test_enable_is_idempotent_and_reversible():
+    assert not lightning_fsdp.is_enabled()
+    assert type(UpstreamFSDPStrategy()) is UpstreamFSDPStrategy
+
+    lightning_fsdp.enable()
+    lightning_fsdp.enable()
+    assert lightning_fsdp.is_enabled()
+    strategy = UpstreamFSDPStrategy(None, None, None, None, "gloo", state_dict_type="full", cpu_offload=True)
+    assert type(strategy) is FSDPStrategy
+    assert isinstance(strategy, UpstreamFSDPStrategy)
+    assert strategy.process_group_backend == "gloo"
+    assert strategy._state_dict_type == "full"
+    assert strategy.cpu_offload.offload_params
+    assert type(STRATEGY_REGISTRY.get("fsdp")) is FSDPStrategy
+    assert type(FSDPStrategy(load_concurrency=1)) is FSDPStrategy
+    assert Fabric(accelerator="cpu", devices=2, strategy=UpstreamFSDPStrategy()).strategy.root_device.type == "cpu"
+
+    lightning_fsdp.disable()
+    lightning_fsdp.disable()
+    assert not lightning_fsdp.is_enabled()
+    assert type(UpstreamFSDPStrategy(state_dict_type="full")) is UpstreamFSDPStrategy
+    assert type(STRATEGY_REGISTRY.get("fsdp")) is UpstreamFSDPStrategy
+    with pytest.raises(ValueError, match="FSDP is only available on GPU"):
+        Fabric(accelerator="cpu", devices=2, strategy=UpstreamFSDPStrategy())
+
+
+def _run_script(checkpoint: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, str(_SCRIPT), str(checkpoint), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.mark.parametrize("flag", ["--opt-in", "--opt-in-first"])
+def test_downstream_script_with_the_one_line(tmp_path, flag):
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "lit-llama.pth"
+    torch.save(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).state_dict(), checkpoint)
+    # The script's blocks hold their linear as `fc`: rename the keys as a converted checkpoint would have them.
+    state = torch.load(checkpoint, weights_only=True)
+    torch.save({f"{k.split('.')[0]}.fc.{k.split('.')[1]}": v for k, v in state.items()}, checkpoint)
+
+    result = _run_script(checkpoint, flag)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "strategy: lightning_fsdp.strategy.FSDPStrategy" in result.stdout
+    assert "loaded the raw checkpoint" in result.stdout
+
+
+def test_downstream_script_without_it_fails_as_upstream_does(tmp_path):
+    checkpoint = tmp_path / "lit-llama.pth"
+    torch.save({}, checkpoint)
+    result = _run_script(checkpoint)
+    assert result.returncode != 0
+    assert "FSDP is only available on GPU" in result.stderr
