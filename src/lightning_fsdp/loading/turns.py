@@ -111,17 +111,19 @@ class Turn:
 class StaggeredLoad:
     """One load, seen from one rank: rank-staggered turns, and agreement on success at the end.
 
-    Every rank of the process group enters it together (it is a context manager), enters the same turns in the same
-    order (:meth:`turn`) and leaves it together. At the end it runs :meth:`agree_on_success`: every rank returns, or
-    every rank raises the same :class:`~lightning_fsdp.loading.errors.CheckpointLoadError`, naming the rank(s) that
-    failed (on a failing rank, chained to the original exception). With a single process, or without an initialized
-    process group, the turns are free, nothing waits, and an exception propagates unchanged.
+    Every rank of the process group enters it (it is a context manager), enters the same turns in the same order
+    (:meth:`turn`), and makes the same calls to :meth:`agree_on_success`. At the end it runs
+    :meth:`agree_on_success`: every rank returns, or every rank raises the same
+    :class:`~lightning_fsdp.loading.errors.CheckpointLoadError`, naming the rank(s) that failed (on a failing rank,
+    chained to the original exception). With a single process, or without an initialized process group, the turns
+    are free, nothing waits, and an exception propagates unchanged.
 
     How it keeps memory bounded: the ranks of a node take :meth:`turn` in the order of their local ranks, at most
-    ``k`` at a time; a rank enters as soon as fewer than ``k`` ranks ahead of it are still inside theirs. A rank
-    counts as inside until its block ends, so the block must drop every reference to the materialised source (do
-    the work in a function called inside the block, or ``del`` it) -- a copy that outlives the block is a copy the
-    schedule does not bound. Nodes do not wait for each other.
+    ``k`` at a time: local rank ``i`` enters once ``i - k + 1`` ranks of its node have left theirs, so a slot that
+    frees up is taken at once (``Turn.index`` is ``i // k``). A rank counts as inside until its block ends, so the
+    block must drop every reference to the materialised source (do the work in a function called inside the block,
+    or ``del`` it) -- a copy that outlives the block is a copy the schedule does not bound. Nodes do not wait for
+    each other.
 
     How it stays clear of timeouts and hangs: turns and agreements run on the process group's key-value store,
     polled every few milliseconds to 0.2 seconds. No collective runs inside a turn or while waiting for one, so
