@@ -6,7 +6,6 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the body of `
 ``src/lightning/fabric/utilities/load.py``.
 """
 
-import gc
 import math
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -187,12 +186,11 @@ def collect_metadata(request: LoadRequest, opened: _Opened, materialize: bool) -
 
 
 def release(prepared: _Prepared | None) -> None:
-    """Drop every reference to the source so that its memory is returned before the next rank's turn."""
+    """Drop every reference to the source, so that the turn's end (which collects garbage) returns its memory."""
     if prepared is not None:
         prepared.opened.source.close()
         prepared.opened.entries.clear()
         prepared.optimizer_states.clear()
-    gc.collect()
 
 
 def _check_requested_keys(request: LoadRequest, opened: _Opened) -> None:
