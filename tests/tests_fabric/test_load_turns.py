@@ -1,0 +1,116 @@
+"""Sources that must be read whole (legacy format) are loaded in node turns; failures reach every rank."""
+
+import itertools
+import time
+from datetime import timedelta
+
+import torch
+from lightning.fabric import Fabric
+
+from lightning_fsdp import CheckpointLoadError, FSDPStrategy
+from lightning_fsdp.loading import loader
+from tests.tests_fabric.helpers.checkpoints import write_checkpoint
+from tests.tests_fabric.helpers.distributed import run_distributed
+from tests.tests_fabric.helpers.models import Block, TinyTransformer
+from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
+
+
+def _record_materialized_intervals(intervals: list) -> None:
+    """Wrap the loader's own reading and releasing (not a mock: the real functions run) to time each rank's copy."""
+    read, release = loader.load_torch_file, loader.release
+
+    def timed_read(*args, **kwargs):
+        intervals.append([time.monotonic(), None])
+        time.sleep(0.3)  # hold the copy a little longer, so that overlapping turns could not go unnoticed
+        return read(*args, **kwargs)
+
+    def timed_release(prepared):
+        release(prepared)
+        intervals[-1][1] = time.monotonic()
+
+    loader.load_torch_file, loader.release = timed_read, timed_release
+
+
+def _load_in_turns(path: str, expected_path: str, concurrency: int, num_nodes: int) -> tuple:
+    strategy = FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=concurrency, timeout=timedelta(seconds=2))
+    fabric = Fabric(accelerator="cpu", devices=2, num_nodes=num_nodes, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = TinyTransformer()
+    model = fabric.setup_module(model)
+    intervals: list = []
+    _record_materialized_intervals(intervals)
+    # Each rank holds the copy for 0.3 s plus its reading; with k=1 the last of 2 ranks waits longer than the 2 s
+    # process-group timeout only if turns used collectives. They use the store, so no timeout may fire.
+    fabric.load(path, {"model": model})
+    assert_same_state(gather_full_state(model)["model"], torch.load(expected_path, weights_only=True))
+    return fabric.node_rank, tuple(intervals[0])
+
+
+def _overlaps(intervals: list[tuple[float, float]]) -> bool:
+    ordered = sorted(intervals)
+    return any(later[0] < earlier[1] for earlier, later in itertools.pairwise(ordered))
+
+
+def test_legacy_file_is_read_one_rank_per_node_at_a_time(tmp_path):
+    torch.manual_seed(0)
+    state_dict = TinyTransformer().state_dict()
+    torch.save(state_dict, tmp_path / "expected.pt")
+    path = write_checkpoint(state_dict, tmp_path, "torch-legacy")
+    results = run_distributed(
+        _load_in_turns, str(path), str(tmp_path / "expected.pt"), 1, 2, devices=2, num_nodes=2, timeout=300
+    )
+    by_node = {node: [interval for n, interval in results if n == node] for node in (0, 1)}
+    for node, intervals in by_node.items():
+        assert len(intervals) == 2
+        assert not _overlaps(intervals), f"node {node}: two ranks held the file at once: {intervals}"
+    # Nodes do not wait for each other: the first turns of both nodes overlap.
+    first_turns = [min(intervals) for intervals in by_node.values()]
+    assert _overlaps(first_turns), f"nodes waited for each other: {by_node}"
+
+
+def test_legacy_file_with_all_ranks_at_once(tmp_path):
+    torch.manual_seed(0)
+    state_dict = TinyTransformer().state_dict()
+    torch.save(state_dict, tmp_path / "expected.pt")
+    path = write_checkpoint(state_dict, tmp_path, "torch-legacy")
+    results = run_distributed(_load_in_turns, str(path), str(tmp_path / "expected.pt"), 2, 1, devices=2)
+    assert _overlaps([interval for _, interval in results])
+
+
+def _one_rank_fails(paths: dict[str, str]) -> dict[str, tuple[str, float, bool]]:
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=1))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        # Rank 2's model differs from the checkpoint, as if it ran a different config: only it fails validation.
+        model = TinyTransformer(vocab=41 if fabric.global_rank == 2 else 37)
+    model = fabric.setup_module(model)
+    # Local shards only: a full state dict would need collectives, which a rank with another model cannot join.
+    before = [tensor.detach().clone() for tensor in model.parameters()]
+    outcomes = {}
+    for name, path in paths.items():
+        start = time.monotonic()
+        try:
+            fabric.load(path, {"model": model})
+        except CheckpointLoadError as error:
+            untouched = all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+            outcomes[name] = (str(error), time.monotonic() - start, untouched)
+    return outcomes
+
+
+def test_a_failing_rank_makes_every_rank_raise_promptly(tmp_path):
+    torch.manual_seed(0)
+    state_dict = TinyTransformer().state_dict()
+    paths = {fmt: str(write_checkpoint(state_dict, tmp_path / fmt, fmt)) for fmt in ("torch-zip", "torch-legacy")}
+    per_rank = run_distributed(_one_rank_fails, paths, devices=4, timeout=300)
+    for fmt in paths:
+        messages = {outcomes[fmt][0] for outcomes in per_rank}
+        assert len(messages) == 1, messages
+        message = messages.pop()
+        assert "failed on rank 2" in message, message
+        assert "shape mismatch" in message
+        assert max(outcomes[fmt][1] for outcomes in per_rank) < 15
+    # A lazy source is validated on every rank before any rank writes: no model changed.
+    assert all(outcomes["torch-zip"][2] for outcomes in per_rank)
+    # In turns, ranks after the failing one never start (ranks before it have loaded, which is unavoidable).
+    assert per_rank[3]["torch-legacy"][2]
