@@ -39,7 +39,7 @@ setup(
         "typing-extensions>=4.4",
     ],
     extras_require={
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "ruff>=0.17,<0.18", "psutil>=5.9"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "ruff>=0.17,<0.18", "psutil>=5.9", "click>=8.1"],
         "docs": ["sphinx>=7.2", "myst-parser>=2.0"],
     },
     entry_points={"console_scripts": ["lightning-fsdp=lightning_fsdp.cli:main"]},

@@ -17,7 +17,7 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py``.
 """
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp.devices import (
+    _check_cluster_environment,
+    _check_distinct_devices,
+    _check_placement,
+    _own_cuda_device,
+)
+
 
 class FSDPStrategy(_UpstreamFSDPStrategy):
     r"""Fabric's :class:`~lightning.fabric.strategies.FSDPStrategy` that also runs on CPU.
@@ -55,11 +62,14 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # Refuse ranks that would share a device before one is selected and before the process group is joined.
+        _check_cluster_environment(self.cluster_environment, self.parallel_devices, self.num_nodes)
         # Upstream builds a tuple ``device_mesh`` on CUDA unconditionally; build it for the device type in use.
         mesh_shape = self._fsdp_kwargs.get("device_mesh")
         if isinstance(mesh_shape, tuple):
             del self._fsdp_kwargs["device_mesh"]
         super().setup_environment()
+        _check_distinct_devices(self.global_rank, self.node_rank, self.local_rank, self.root_device, self.world_size)
         if isinstance(mesh_shape, tuple):
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -85,11 +95,25 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                     "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored."
                 )
         else:
+            _check_placement(module, self.root_device, where="before wrapping")
             module = FullyShardedDataParallel(module=module, **self._fsdp_wrapper_kwargs())
 
         _move_torchmetrics_to_device(module, self.root_device)
         _setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
+        _check_placement(module, self.root_device, where="after wrapping")
         return module
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """Upstream's context (meta device with ``empty_init=True``), with the rank's own GPU as the current device.
+
+        So a model that creates tensors on ``"cuda"`` inside ``fabric.init_module()`` puts them on the rank's GPU.
+
+        """
+        stack = ExitStack()
+        stack.enter_context(_own_cuda_device(self.root_device))
+        stack.enter_context(super().module_init_context(empty_init=empty_init))
+        return stack
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
