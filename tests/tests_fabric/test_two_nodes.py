@@ -168,8 +168,11 @@ def test_two_nodes_cuda_every_rank_on_its_own_gpu(tmp_path, launcher, saved_on):
     """
     gpus = torch.cuda.device_count()
     devices = gpus // _NUM_NODES
+    # GPU indices as this process sees them; each node's CUDA_VISIBLE_DEVICES names them as the driver does.
     physical = [list(range(node * devices, (node + 1) * devices)) for node in range(_NUM_NODES)]
-    node_env = [{"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))} for ids in physical]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    driver_ids = visible.split(",") if visible else [str(index) for index in range(gpus)]
+    node_env = [{"CUDA_VISIBLE_DEVICES": ",".join(driver_ids[index] for index in ids)} for ids in physical]
     uuids = [str(torch.cuda.get_device_properties(index).uuid).lower().removeprefix("gpu-") for index in range(gpus)]
     checkpoint = _save_raw_checkpoint(tmp_path / "raw.pth", device=saved_on)
 
