@@ -5,6 +5,7 @@ Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 
 import json
 import math
+import mmap
 import pickle
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -25,6 +26,9 @@ _DCP_METADATA_FILENAME = ".metadata"
 _HF_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 #: Preferred when a directory holds indexes for both formats (safetensors reads lazily and never unpickles).
 _HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+#: Reads at least this large get an anonymous mapping of their own (see :meth:`ByteRangeSource.read_flat`).
+_OWN_MAPPING_BYTES = 2**20
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -179,16 +183,17 @@ def _index_shard_files(path: Path) -> tuple[Path, ...]:
     return tuple(path.parent / name for name in shard_names)
 
 
-def load_torch_file(path: Path, file_format: CheckpointFormat, weights_only: bool) -> Any:
+def load_torch_file(path: Path, file_format: CheckpointFormat, weights_only: bool, map_location: str = "cpu") -> Any:
     """Unpickle a ``torch.save`` file with every storage on the CPU, lazily (``mmap``) where the format allows.
 
     Storages always go to the CPU first, whatever device the file recorded: a file saved from ``cuda:0`` must not
-    touch ``cuda:0`` from another rank, and must load on a machine without a GPU.
+    touch ``cuda:0`` from another rank, and must load on a machine without a GPU. ``map_location="meta"`` reads the
+    structure only (shapes, dtypes, and for zip files each storage's offset in the file).
 
     """
-    mmap = file_format is CheckpointFormat.TORCH_ZIP
+    mmap = file_format is CheckpointFormat.TORCH_ZIP and map_location != "meta"
     try:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=weights_only)
+        return torch.load(path, map_location=map_location, mmap=mmap, weights_only=weights_only)
     except pickle.UnpicklingError as error:
         if weights_only:
             raise CheckpointLoadError(
@@ -384,3 +389,83 @@ def _as_state_dict(obj: Any, path: Path) -> Mapping[str, Any]:
             f"The file {str(path)!r} holds a {type(obj).__name__}, not a state dict (a dict of tensors)."
         )
     return obj
+
+
+@dataclass(frozen=True)
+class _TensorLocation:
+    file: Path
+    offset: int
+    """Byte offset of the tensor's first element in ``file``."""
+    spec: TensorSpec
+
+
+class ByteRangeSource(TensorSource):
+    """Tensors read with plain positioned reads of exactly the bytes asked for: nothing is mapped or cached.
+
+    Each read returns fresh memory holding only the requested elements, so the process's memory never grows with the
+    file (unlike a memory map, whose touched pages stay resident). Used where peak memory must stay near the largest
+    read, e.g. converting a checkpoint tensor by tensor.
+
+    """
+
+    def __init__(self, locations: Mapping[str, _TensorLocation]) -> None:
+        self._locations = dict(locations)
+        self._specs = {name: location.spec for name, location in self._locations.items()}
+
+    @classmethod
+    def from_zip_entries(cls, path: Path, tensors: Mapping[str, torch.Tensor]) -> "ByteRangeSource":
+        """Locate tensors that ``torch.load(path, map_location="meta")`` returned (they carry their storage offset)."""
+        locations = {}
+        for name, tensor in tensors.items():
+            storage_offset = getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+            if storage_offset is None or not tensor.is_contiguous():
+                raise CheckpointLoadError(
+                    f"The tensor {name!r} in {str(path)!r} cannot be located in the file (a non-contiguous view, or a"
+                    " torch release that does not record storage offsets)."
+                )
+            offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+            locations[name] = _TensorLocation(path, offset, TensorSpec(tuple(tensor.shape), tensor.dtype))
+        return cls(locations)
+
+    @classmethod
+    def from_safetensors(cls, paths: list[Path]) -> "ByteRangeSource":
+        """Locate every tensor of safetensors files from their JSON headers."""
+        locations = {}
+        for path in paths:
+            with open(path, "rb") as file:
+                header_size = int.from_bytes(file.read(8), "little")
+                header = json.loads(file.read(header_size))
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+                if dtype is None:
+                    raise CheckpointLoadError(f"The tensor {name!r} in {str(path)!r} has unsupported dtype {entry}.")
+                begin = 8 + header_size + entry["data_offsets"][0]
+                locations[name] = _TensorLocation(path, begin, TensorSpec(tuple(entry["shape"]), dtype))
+        return cls(locations)
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def read(self, name: str) -> torch.Tensor:
+        spec = self._specs[name]
+        return self.read_flat(name, 0, spec.numel).view(spec.shape)
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        location = self._locations[name]
+        itemsize = location.spec.dtype.itemsize
+        nbytes = max(stop - start, 0) * itemsize
+        if nbytes == 0:
+            return torch.empty(0, dtype=location.spec.dtype)
+        # Large reads get memory of their own, returned to the system as soon as the tensor is dropped: from the heap,
+        # freed blocks of this size tend to stay resident and the process would grow with every read.
+        buffer = mmap.mmap(-1, nbytes) if nbytes >= _OWN_MAPPING_BYTES else bytearray(nbytes)
+        with open(location.file, "rb", buffering=0) as file:
+            file.seek(location.offset + start * itemsize)
+            read = file.readinto(buffer)
+        if read != nbytes:
+            raise CheckpointLoadError(
+                f"The file {str(location.file)!r} ended before the tensor {name!r} did: it is truncated."
+            )
+        return torch.frombuffer(buffer, dtype=location.spec.dtype)

@@ -1,0 +1,155 @@
+"""The ``lightning-fsdp`` command: inspect a checkpoint, or convert it into a sharded checkpoint.
+
+Upstream destination: a ``fabric`` CLI subcommand (``src/lightning/fabric/cli.py``), next to ``fabric consolidate``.
+"""
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+_DESCRIPTION = """\
+Inspect and convert the checkpoints that lightning_fsdp.FSDPStrategy loads: raw module state dicts (torch.save, zip
+or legacy format), safetensors files, Hugging Face sharded checkpoints (*.index.json or their directory), and Fabric
+checkpoints (full files and sharded directories). The format is told from the content, not the name."""
+
+_EPILOG = """\
+examples:
+  lightning-fsdp inspect lit-llama.pth
+  lightning-fsdp inspect checkpoints/Llama-2-7b-hf --json
+  lightning-fsdp convert lit-llama.pth lit-llama-sharded/
+      then, in the training script: fabric.load("lit-llama-sharded/", {"model": model})"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit code (0 on success, 2 on bad input)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            return _inspect(args)
+        return _convert(args)
+    except KeyboardInterrupt:
+        print("lightning-fsdp: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # every failure is reported as one line, never as a traceback
+        from lightning_fsdp.loading.errors import CheckpointLoadError
+
+        prefix = "" if isinstance(error, (CheckpointLoadError, OSError)) else f"{type(error).__name__}: "
+        print(f"lightning-fsdp {args.command}: error: {prefix}{error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-fsdp",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="show the format, size, dtypes and keys of a checkpoint (reads no tensor data)",
+        description="Show what a checkpoint holds: its format and how it was detected, whether ranks can read it"
+        " lazily, the number of tensors and bytes, their dtypes, and the top-level keys.",
+    )
+    inspect.add_argument("path", help="a checkpoint file or directory")
+    inspect.add_argument("--json", action="store_true", help="print a JSON object, for scripts")
+    _add_weights_only(inspect)
+
+    convert = commands.add_parser(
+        "convert",
+        help="write a sharded checkpoint that fabric.load reads shard by shard",
+        description="Convert a checkpoint (any format `inspect` reads) into a sharded (torch distributed) checkpoint"
+        " directory, tensor by tensor and in row chunks, so that memory stays near the largest chunk. Load the"
+        " result with `fabric.load(OUT, {KEY: model})`. A Fabric checkpoint's optimizer state is not converted.",
+    )
+    convert.add_argument("path", help="the checkpoint to convert")
+    convert.add_argument("output", help="the directory to write (must not exist, or be empty)")
+    convert.add_argument("--key", default="model", help="the key of the module's state (default: %(default)s)")
+    convert.add_argument(
+        "--chunk-mb",
+        type=float,
+        default=32,
+        help="approximate size of each written chunk in MiB (default: %(default)s)",
+    )
+    convert.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+    _add_weights_only(convert)
+    return parser
+
+
+def _add_weights_only(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--unsafe-unpickle",
+        action="store_true",
+        help="allow arbitrary objects in pickled files (weights_only=False); only for files you trust",
+    )
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from lightning_fsdp.loading.convert import describe_checkpoint
+
+    summary = describe_checkpoint(args.path, weights_only=not args.unsafe_unpickle)
+    if args.json:
+        print(json.dumps(summary.as_dict(), indent=2))
+        return 0
+    dtypes = ", ".join(f"{dtype} ({count})" for dtype, count in summary.dtypes.items()) or "none"
+    keys = summary.top_level_keys
+    shown_keys = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+    lines = [
+        ("path", summary.path),
+        ("format", f"{summary.format} ({summary.kind})"),
+        ("lazy", "yes: each rank reads only its own slices" if summary.lazy else "no: read whole, in node turns"),
+        ("files", f"{summary.files} ({_size(summary.file_bytes)})"),
+        ("tensors", f"{summary.tensors} ({_size(summary.tensor_bytes)})"),
+        ("dtypes", dtypes),
+        ("largest", f"{summary.largest_tensor} ({_size(summary.largest_tensor_bytes)})"),
+        ("keys", shown_keys or "none"),
+    ]
+    for label, value in lines:
+        print(f"{label + ':':<9} {value}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from lightning_fsdp.loading.convert import convert_checkpoint, describe_checkpoint
+
+    summary = describe_checkpoint(args.path, weights_only=not args.unsafe_unpickle)
+    show = not args.no_progress and sys.stderr.isatty()
+    with tqdm(
+        total=summary.tensor_bytes, unit="B", unit_scale=True, desc="converting", disable=not show, file=sys.stderr
+    ) as bar:
+        result = convert_checkpoint(
+            args.path,
+            args.output,
+            module_key=args.key,
+            weights_only=not args.unsafe_unpickle,
+            chunk_bytes=int(args.chunk_mb * 2**20),
+            on_chunk=bar.update,
+        )
+    print(
+        f"wrote {result.output}: {result.tensors} tensors, {_size(result.tensor_bytes)} in {result.chunks} chunks"
+        f" under {args.key!r}; load it with fabric.load({result.output!r}, {{{args.key!r}: model}})"
+    )
+    if result.metadata_keys:
+        print(f"kept metadata: {', '.join(result.metadata_keys)}")
+    if result.skipped_keys:
+        print(f"not converted (optimizer state): {', '.join(result.skipped_keys)}")
+    return 0
+
+
+def _size(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

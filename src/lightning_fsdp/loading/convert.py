@@ -1,0 +1,326 @@
+"""Describe a checkpoint, and convert any readable checkpoint into a sharded (distributed) checkpoint.
+
+Conversion streams tensor by tensor, in row chunks: each chunk is read with a positioned read of exactly its bytes,
+written, and dropped, so peak memory stays near the largest chunk whatever the file's size (a legacy-format file is
+the exception: it can only be read whole). The output is a torch distributed checkpoint directory with a ``meta.pt``,
+which ``fabric.load(path, {"model": model})`` reads shard by shard; each chunk holds a range of rows, so a rank reads
+only the chunks that overlap its shard.
+
+Upstream destination: ``src/lightning/fabric/utilities/consolidate_checkpoint.py`` (its inverse) and the CLI.
+"""
+
+import dataclasses
+import math
+import warnings
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.formats import (
+    _DCP_METADATA_FILENAME,
+    _FABRIC_METADATA_FILENAME,
+    ByteRangeSource,
+    CheckpointFormat,
+    DetectedCheckpoint,
+    DictSource,
+    MergedSource,
+    TensorSource,
+    TensorSpec,
+    _read_index,
+    _sniff_file,
+    detect_checkpoint,
+    load_torch_file,
+)
+
+#: Rows per chunk are chosen so that a chunk holds about this many bytes.
+DEFAULT_CHUNK_BYTES = 32 * 2**20
+_MIN_CHUNK_BYTES = 2**20
+
+
+@dataclass
+class CheckpointSummary:
+    """What :func:`describe_checkpoint` found."""
+
+    path: str
+    format: str
+    kind: str
+    """``raw state dict``, ``fabric checkpoint``, ``sharded checkpoint`` or ``hugging face checkpoint``."""
+    lazy: bool
+    """Whether ranks can read only their own slices (no full copy in memory)."""
+    files: int
+    file_bytes: int
+    tensors: int
+    tensor_bytes: int
+    dtypes: dict[str, int]
+    """Number of tensors of each dtype."""
+    top_level_keys: list[str]
+    largest_tensor: str | None
+    largest_tensor_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def describe_checkpoint(path: str | Path, weights_only: bool = True) -> CheckpointSummary:
+    """Tell what a checkpoint holds without reading its tensor data."""
+    detected = detect_checkpoint(path)
+    if detected.format is CheckpointFormat.FABRIC_SHARDED:
+        specs, top_level = _sharded_specs(detected.path, weights_only)
+        kind = "sharded checkpoint"
+    elif detected.format in (CheckpointFormat.TORCH_ZIP, CheckpointFormat.TORCH_LEGACY):
+        content = load_torch_file(detected.path, detected.format, weights_only, map_location="meta")
+        if not isinstance(content, Mapping):
+            raise CheckpointLoadError(f"The file {str(detected.path)!r} holds a {type(content).__name__}, not a dict.")
+        specs = {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in _walk_tensors(content)}
+        top_level = [str(key) for key in content]
+        is_raw = any(isinstance(value, torch.Tensor) for value in content.values())
+        kind = "raw state dict" if is_raw else "fabric checkpoint"
+    else:
+        specs = dict(_streaming_source(detected, weights_only, module_key=None)[0].specs())
+        top_level = sorted(specs)
+        kind = "raw state dict" if detected.format is CheckpointFormat.SAFETENSORS else "hugging face checkpoint"
+    largest = max(specs.items(), key=lambda item: item[1].nbytes, default=(None, None))
+    return CheckpointSummary(
+        path=str(detected.path),
+        format=detected.format.value,
+        kind=kind,
+        lazy=detected.format.lazy and not _has_legacy_shards(detected),
+        files=len(detected.files),
+        file_bytes=detected.nbytes,
+        tensors=len(specs),
+        tensor_bytes=sum(spec.nbytes for spec in specs.values()),
+        dtypes=dict(sorted(Counter(str(spec.dtype).removeprefix("torch.") for spec in specs.values()).items())),
+        top_level_keys=top_level,
+        largest_tensor=largest[0],
+        largest_tensor_bytes=largest[1].nbytes if largest[1] is not None else 0,
+    )
+
+
+@dataclass
+class ConversionResult:
+    """What :func:`convert_checkpoint` wrote."""
+
+    output: str
+    tensors: int
+    tensor_bytes: int
+    chunks: int
+    metadata_keys: list[str] = field(default_factory=list)
+    skipped_keys: list[str] = field(default_factory=list)
+    """Entries of a Fabric checkpoint that were not converted (optimizer states)."""
+
+
+def convert_checkpoint(
+    source: str | Path,
+    output: str | Path,
+    module_key: str = "model",
+    weights_only: bool = True,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    on_chunk: Callable[[int], None] | None = None,
+) -> ConversionResult:
+    """Write the module state of ``source`` (any format the loader reads) as a sharded checkpoint in ``output``.
+
+    Args:
+        source: A raw state dict, a Fabric full checkpoint, a safetensors file or a Hugging Face checkpoint.
+        output: A directory to create; it must not exist yet, or be empty.
+        module_key: The key the module is stored under in the output (and found under in a Fabric checkpoint);
+            load the result with ``fabric.load(output, {module_key: model})``.
+        weights_only: Unpickle only tensors and plain containers.
+        chunk_bytes: About how many bytes each written chunk holds at most (never more than half the largest tensor).
+        on_chunk: Called with the byte count of every chunk written (for progress).
+
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    output = Path(output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise CheckpointLoadError(f"The output {str(output)!r} exists and is not an empty directory: choose another.")
+    detected = detect_checkpoint(source)
+    if detected.format is CheckpointFormat.FABRIC_SHARDED:
+        raise CheckpointLoadError(f"{str(detected.path)!r} is a sharded checkpoint already: there is nothing to do.")
+    tensor_source, metadata, skipped = _streaming_source(detected, weights_only, module_key)
+    specs = tensor_source.specs()
+    state_dict = {
+        module_key: {name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()}
+    }
+    # Writing a chunk holds it twice (the read and torch's serialization), so chunks of at most half the largest
+    # tensor keep the peak near one largest tensor.
+    largest = max((spec.nbytes for spec in specs.values()), default=0)
+    chunk_bytes = max(min(chunk_bytes, largest // 2), _MIN_CHUNK_BYTES)
+    planner = _StreamingSavePlanner(tensor_source, module_key, chunk_bytes, on_chunk)
+    output.mkdir(parents=True, exist_ok=True)
+    # One file per chunk: torch's writer keeps every tensor of a file alive until the file is closed.
+    # No copy-ahead: chunks are read one at a time, when the writer asks for them.
+    writer = FileSystemWriter(output, single_file_per_rank=False, thread_count=1, per_thread_copy_ahead=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+        dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
+    torch.save(metadata, output / _FABRIC_METADATA_FILENAME)
+    return ConversionResult(
+        output=str(output),
+        tensors=len(specs),
+        tensor_bytes=sum(spec.nbytes for spec in specs.values()),
+        chunks=planner.chunks,
+        metadata_keys=sorted(metadata),
+        skipped_keys=skipped,
+    )
+
+
+def _streaming_source(
+    detected: DetectedCheckpoint, weights_only: bool, module_key: str | None
+) -> tuple[TensorSource, dict[str, Any], list[str]]:
+    """A source that reads exact byte ranges where the format allows; the non-tensor metadata; skipped entries."""
+    if detected.format is CheckpointFormat.SAFETENSORS:
+        return ByteRangeSource.from_safetensors([detected.path]), {}, []
+    if detected.format is CheckpointFormat.HF_INDEX:
+        sources = [_file_source(file, weights_only) for file in detected.files]
+        merged = MergedSource(sources)
+        missing = sorted(set(_read_index(detected.path)) - set(merged.specs()))
+        if missing:
+            raise CheckpointLoadError(
+                f"The index {str(detected.path)!r} names tensors its shards do not hold: {', '.join(missing[:5])}."
+            )
+        return merged, {}, []
+    content = load_torch_file(detected.path, detected.format, weights_only, map_location=_map_location(detected))
+    if not isinstance(content, Mapping):
+        raise CheckpointLoadError(f"The file {str(detected.path)!r} holds a {type(content).__name__}, not a dict.")
+    metadata: dict[str, Any] = {}
+    skipped: list[str] = []
+    module_entry = content.get(module_key) if module_key is not None else None
+    if isinstance(module_entry, Mapping):
+        tensors = module_entry
+        for key, value in content.items():
+            if key == module_key:
+                continue
+            if any(True for _ in _walk_tensors(value)):
+                skipped.append(str(key))  # optimizer states: their sharded layout is FSDP's, not convertible offline
+            else:
+                metadata[key] = value
+    elif any(isinstance(value, torch.Tensor) for value in content.values()):
+        tensors = content
+    else:
+        keys = ", ".join(repr(key) for key in list(content)[:10])
+        raise CheckpointLoadError(
+            f"The checkpoint {str(detected.path)!r} has no entry {module_key!r} with the module's state, and is not a"
+            f" raw state dict. Its entries are {keys}: pass the key of the module's state."
+        )
+    if detected.format is CheckpointFormat.TORCH_ZIP:
+        return ByteRangeSource.from_zip_entries(detected.path, tensors), metadata, skipped
+    return DictSource(tensors, lazy=False), metadata, skipped
+
+
+def _file_source(file: Path, weights_only: bool) -> TensorSource:
+    file_format = _sniff_file(file)
+    if file_format is CheckpointFormat.SAFETENSORS:
+        return ByteRangeSource.from_safetensors([file])
+    if file_format is CheckpointFormat.TORCH_ZIP:
+        content = load_torch_file(file, file_format, weights_only, map_location="meta")
+        return ByteRangeSource.from_zip_entries(file, content)
+    return DictSource(load_torch_file(file, file_format, weights_only), lazy=False)
+
+
+def _map_location(detected: DetectedCheckpoint) -> str:
+    # A zip file's tensors are located by offset and read later; a legacy file can only be read whole.
+    return "meta" if detected.format is CheckpointFormat.TORCH_ZIP else "cpu"
+
+
+def _has_legacy_shards(detected: DetectedCheckpoint) -> bool:
+    return detected.format is CheckpointFormat.HF_INDEX and any(
+        _sniff_file(file) is CheckpointFormat.TORCH_LEGACY for file in detected.files
+    )
+
+
+def _walk_tensors(obj: Any, prefix: str = "") -> Any:
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _walk_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from _walk_tensors(value, f"{prefix}.{index}" if prefix else str(index))
+
+
+def _sharded_specs(path: Path, weights_only: bool) -> tuple[dict[str, TensorSpec], list[str]]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lightning_fsdp.loading.sharded import read_sharded_metadata
+
+    if not (path / _DCP_METADATA_FILENAME).is_file():
+        raise CheckpointLoadError(f"The sharded checkpoint {str(path)!r} has no `.metadata` file: it is incomplete.")
+    metadata = FileSystemReader(path).read_metadata()
+    specs = {
+        fqn: TensorSpec(tuple(entry.size), entry.properties.dtype)
+        for fqn, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    top_level = sorted({fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata})
+    top_level += sorted(set(map(str, read_sharded_metadata(path, weights_only))) - set(top_level))
+    return specs, top_level
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """A DCP save planner whose tensors are read from the source only when the writer asks for them, in row chunks."""
+
+    def __init__(
+        self, source: TensorSource, module_key: str, chunk_bytes: int, on_chunk: Callable[[int], None] | None
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self.prefix = f"{module_key}."
+        self.chunk_bytes = chunk_bytes
+        self.on_chunk = on_chunk
+        self.chunks = 0
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = [piece for item in plan.items for piece in _split_rows(item, self.chunk_bytes)]
+        self.plan = dataclasses.replace(plan, items=items)
+        self.chunks = len(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        name = write_item.index.fqn.removeprefix(self.prefix)
+        assert write_item.tensor_data is not None
+        chunk = write_item.tensor_data.chunk
+        shape = tuple(write_item.tensor_data.size)
+        row = math.prod(shape[1:]) if shape else 1
+        start = (chunk.offsets[0] if shape else 0) * row
+        values = self.source.read_flat(name, start, start + math.prod(chunk.sizes)).reshape(tuple(chunk.sizes))
+        if self.on_chunk is not None:
+            self.on_chunk(values.numel() * values.element_size())
+        return values
+
+
+def _split_rows(item: WriteItem, chunk_bytes: int) -> list[WriteItem]:
+    """Split a whole-tensor write item into items of whole rows, each about ``chunk_bytes`` large."""
+    data = item.tensor_data
+    if data is None or len(data.size) == 0 or data.size[0] <= 1:
+        return [item]
+    row_bytes = math.prod(data.size[1:]) * data.properties.dtype.itemsize
+    rows_per_chunk = max(1, chunk_bytes // max(row_bytes, 1))
+    if rows_per_chunk >= data.size[0]:
+        return [item]
+    pieces = []
+    for first in range(0, data.size[0], rows_per_chunk):
+        rows = min(rows_per_chunk, data.size[0] - first)
+        offsets = torch.Size([first, *([0] * (len(data.size) - 1))])
+        sizes = torch.Size([rows, *data.size[1:]])
+        pieces.append(
+            dataclasses.replace(
+                item,
+                index=MetadataIndex(item.index.fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), data.properties, data.size),
+            )
+        )
+    return pieces

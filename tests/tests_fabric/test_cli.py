@@ -1,0 +1,205 @@
+"""The `lightning-fsdp` command line: `inspect` and `convert` on every format, bad input, and convert's memory."""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+
+from lightning_fsdp import FSDPStrategy
+from lightning_fsdp.cli import main
+from tests.tests_fabric.helpers.checkpoints import FORMATS, write_bad_inputs, write_checkpoint
+from tests.tests_fabric.helpers.distributed import run_distributed
+from tests.tests_fabric.helpers.models import Block, TinyTransformer
+from tests.tests_fabric.helpers.runif import RunIf
+from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """Run the command line in this process (importing torch in a new one for each call would be slow)."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's --help and usage errors
+            code = exit.code
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
+
+
+@pytest.fixture(scope="module")
+def state_dict():
+    torch.manual_seed(0)
+    return TinyTransformer().state_dict()
+
+
+def test_help_reads_well():
+    result = _cli("--help")
+    assert result.returncode == 0
+    for text in ("inspect", "convert", "safetensors", "index.json", "fabric.load"):
+        assert text in result.stdout
+    assert _cli("convert", "--help").returncode == 0
+
+
+def test_console_script_is_installed(tmp_path):
+    """The installed `lightning-fsdp` executable runs, and reports bad input with exit code 2 and no traceback."""
+    executable = shutil.which("lightning-fsdp", path=os.pathsep.join([str(Path(sys.executable).parent), ""]))
+    assert executable is not None
+    assert subprocess.run([executable, "--help"], capture_output=True, timeout=60).returncode == 0
+    result = subprocess.run([executable, "inspect", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("lightning-fsdp inspect: error: The checkpoint path")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_inspect_every_format(tmp_path, state_dict, fmt):
+    path = write_checkpoint(state_dict, tmp_path, fmt)
+    text = _cli("inspect", str(path))
+    assert text.returncode == 0, text.stderr
+    assert "format:" in text.stdout
+    assert f"tensors:  {len(state_dict)} " in text.stdout
+    summary = json.loads(_cli("inspect", str(path), "--json").stdout)
+    assert summary["tensors"] == len(state_dict)
+    assert summary["tensor_bytes"] == sum(t.numel() * t.element_size() for t in state_dict.values())
+    assert summary["dtypes"] == {"float32": len(state_dict)}
+    assert summary["lazy"] is (fmt != "torch-legacy")
+    assert summary["format"] == {"torch-zip": "torch-zip", "torch-legacy": "torch-legacy"}.get(
+        fmt, "safetensors" if fmt == "safetensors" else "hf-index"
+    )
+    assert summary["largest_tensor"] in ("embedding.weight", "head.weight", "blocks.0.fc_in.weight")
+
+
+def test_inspect_fabric_checkpoints(tmp_path, state_dict):
+    torch.save({"model": state_dict, "step": 3}, tmp_path / "full.ckpt")
+    summary = json.loads(_cli("inspect", str(tmp_path / "full.ckpt"), "--json").stdout)
+    assert summary["kind"] == "fabric checkpoint"
+    assert summary["top_level_keys"] == ["model", "step"]
+    assert summary["tensors"] == len(state_dict)
+
+
+def test_bad_input_is_a_message_and_exit_code_not_a_traceback(tmp_path, state_dict):
+    for case, (path, _) in write_bad_inputs(tmp_path, state_dict).items():
+        commands = [["convert", str(path), str(tmp_path / f"out-{case}")]]
+        if case != "non-tensor values":  # a file `inspect` can describe, but that holds no module state to convert
+            commands.append(["inspect", str(path)])
+        for command in commands:
+            result = _cli(*command)
+            assert result.returncode == 2, (case, command, result.stdout, result.stderr)
+            assert "Traceback" not in result.stderr, (case, result.stderr)
+            assert result.stderr.startswith(f"lightning-fsdp {command[0]}: error: "), (case, result.stderr)
+    result = _cli("convert", str(write_checkpoint(state_dict, tmp_path / "ok", "torch-zip")), str(tmp_path))
+    assert result.returncode == 2
+    assert "not an empty directory" in result.stderr
+    assert _cli("inspect").returncode == 2  # argparse's usage error
+
+
+def _load_converted(accelerator: str, devices: int, paths: dict[str, str], expected_path: str) -> int:
+    expected = torch.load(expected_path, weights_only=True)
+    for name, path in paths.items():
+        fabric = Fabric(accelerator=accelerator, devices=devices, strategy=FSDPStrategy(auto_wrap_policy={Block}))
+        fabric.launch()
+        with fabric.init_module(empty_init=True):
+            model = TinyTransformer()
+        model = fabric.setup_module(model)
+        state = {"model": model, "step": 0} if name == "fabric-full" else {"model": model}
+        fabric.load(path, state)
+        try:
+            assert_same_state(gather_full_state(model)["model"], expected)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None
+        assert state.get("step", 5) == 5  # the metadata of a Fabric checkpoint is kept
+    return len(paths)
+
+
+def _convert_every_format(tmp_path: Path, state_dict: dict) -> tuple[dict[str, str], str]:
+    torch.save(state_dict, tmp_path / "expected.pt")
+    sources = {fmt: write_checkpoint(state_dict, tmp_path / "in" / fmt, fmt) for fmt in FORMATS}
+    torch.save({"model": state_dict, "step": 5, "optimizer": {"state": {}, "param_groups": []}}, tmp_path / "f.ckpt")
+    sources["fabric-full"] = tmp_path / "f.ckpt"
+    outputs = {}
+    for name, source in sources.items():
+        output = tmp_path / "out" / name
+        # A small chunk size, so that tensors are split into several chunks that ranks read in part.
+        result = _cli("convert", str(source), str(output), "--chunk-mb", "0.001")
+        assert result.returncode == 0, result.stderr
+        assert "fabric.load" in result.stdout
+        outputs[name] = str(output)
+    return outputs, str(tmp_path / "expected.pt")
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_converted_checkpoints_load_bit_exact(tmp_path, state_dict, devices):
+    outputs, expected_path = _convert_every_format(tmp_path, state_dict)
+    assert (
+        run_distributed(_load_converted, "cpu", devices, outputs, expected_path, devices=devices)
+        == [len(outputs)] * devices
+    )
+
+
+@RunIf(min_cuda_gpus=2, standalone=True)
+def test_converted_checkpoints_load_bit_exact_cuda(tmp_path, state_dict):
+    outputs, expected_path = _convert_every_format(tmp_path, state_dict)
+    results = run_distributed(_load_converted, "cuda", 2, outputs, expected_path, devices=2, start_method="spawn")
+    assert results == [len(outputs)] * 2
+
+
+_MEASURE = """
+import sys, threading, time
+from pathlib import Path
+
+import torch
+from lightning_fsdp.loading.convert import convert_checkpoint
+
+def resident_kib():
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 // 1024
+
+def peak_growth(work):
+    before, peak, done = resident_kib(), [0], threading.Event()
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], resident_kib())
+            time.sleep(0.001)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    result = work()
+    done.set()
+    sampler.join()
+    return max(peak[0], resident_kib()) - before, result
+
+convert, _ = peak_growth(lambda: convert_checkpoint(sys.argv[1], sys.argv[2]))
+whole, state = peak_growth(lambda: {k: v.clone() for k, v in torch.load(sys.argv[3], weights_only=True).items()})
+print(convert, whole)
+"""
+
+
+@RunIf(linux_only=True)
+@pytest.mark.parametrize("fmt", ["torch-zip", "safetensors"])
+def test_convert_peak_memory_stays_near_the_largest_tensor(tmp_path, fmt):
+    """Peak resident memory of `convert`, sampled every millisecond in a process of its own, for a 144 MiB file.
+
+    The largest tensor is 32 MiB: converting must need at most 1.5 times that above the interpreter's baseline. The
+    same sampler, on a plain `torch.load` of the file, must see the whole file (so it would notice a full copy).
+    """
+    tensors = {f"layer{i}.weight": torch.randn(1024, 4096) for i in range(7)}  # 16 MiB each
+    tensors["embedding.weight"] = torch.randn(2048, 4096)  # 32 MiB, the largest
+    source = write_checkpoint(tensors, tmp_path / "source", fmt)
+    reference = write_checkpoint(tensors, tmp_path / "reference", "torch-zip")
+    largest_kib, file_kib = 32 * 1024, 144 * 1024
+    result = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(source), str(tmp_path / "out"), str(reference)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    convert_kib, whole_kib = map(int, result.stdout.split())
+    print(f"{fmt}: convert's peak grew by {convert_kib / 1024:.1f} MiB, a full read's by {whole_kib / 1024:.1f} MiB")
+    assert whole_kib >= 0.9 * file_kib
+    assert convert_kib <= 1.5 * largest_kib
