@@ -19,7 +19,7 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py``.
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
@@ -29,8 +29,9 @@ from lightning.fabric.strategies.fsdp import (
     _move_torchmetrics_to_device,
     _setup_activation_checkpointing,
 )
-from lightning.fabric.strategies.strategy import _apply_filter
+from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
+from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.nn import Module
@@ -43,6 +44,10 @@ from lightning_fsdp.devices import (
     _check_placement,
     _own_cuda_device,
 )
+from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint
+from lightning_fsdp.loading.loader import LoadRequest, RankInfo, load_checkpoint_file
+from lightning_fsdp.loading.sharded import load_sharded_checkpoint
+from lightning_fsdp.loading.turns import StaggeredLoad, validate_concurrency
 
 
 class FSDPStrategy(_UpstreamFSDPStrategy):
@@ -52,13 +57,28 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
     - it runs on CPU with the ``gloo`` backend (``Fabric(accelerator="cpu", strategy=FSDPStrategy(...))``), so
       sharded training, saving and loading can be tested without a GPU;
-    - ``empty_init=True`` (meta-device initialization) works on CPU as on GPU.
+    - ``empty_init=True`` (meta-device initialization) works on CPU as on GPU;
+    - :meth:`load_checkpoint` (``fabric.load``, ``fabric.load_raw``) reads raw module state dicts, safetensors and
+      Hugging Face checkpoints besides Fabric's own, shard-locally and without one copy of the file per rank.
 
     Arguments:
         \*args: Passed to :class:`lightning.fabric.strategies.FSDPStrategy`.
+        load_concurrency: How many ranks of a node may hold a checkpoint that must be read whole (a legacy-format
+            ``torch.save`` file) in host memory at the same time. ``"auto"`` (default) derives it from the memory
+            available to the node (or its cgroup) and the file's size; ``1`` means one rank at a time. Files read
+            lazily (zip format through ``mmap``, safetensors) need no turns.
+        load_progress: Show a progress bar while loading, once per node, when the output is a terminal. The
+            environment variable ``LIGHTNING_FSDP_PROGRESS=0`` turns it off too.
         \**kwargs: Passed to :class:`lightning.fabric.strategies.FSDPStrategy`.
 
     """
+
+    def __init__(
+        self, *args: Any, load_concurrency: int | Literal["auto"] = "auto", load_progress: bool = True, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.load_concurrency = validate_concurrency(load_concurrency)
+        self.load_progress = load_progress
 
     @override
     def setup_environment(self) -> None:
@@ -156,6 +176,97 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 shutil.rmtree(path)
             torch.save(full_state, path)
 
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint into the given model, optimizers and other state; return what nobody asked for.
+
+        Besides the checkpoints that ``fabric.save`` writes (a sharded directory or a full file), this reads files
+        that Fabric did not write: a raw module state dict (``torch.save``, zip or legacy format), a ``.safetensors``
+        file, and a Hugging Face sharded checkpoint (an ``*.index.json`` or the directory holding it). The format is
+        told from the content, not the name. A raw file restores the model alone: with ``strict=True`` asking for
+        more (an optimizer, ``"step"``) is an error; with ``strict=False`` the rest of ``state`` is left untouched.
+
+        Full files are loaded shard-locally: each rank copies only its own slice of every parameter and optimizer
+        state into its shard, reading only those bytes where the format allows. Files that must be read whole
+        (legacy format) are read by at most ``load_concurrency`` ranks of a node at a time. Names, shapes and dtypes
+        are checked on every rank before anything is written, so a failed load leaves the model as it was, and an
+        error on any rank is raised on every rank.
+
+        Args:
+            path: A checkpoint file or directory.
+            state: The model (``fabric.load_raw``), or a dict with the model, optimizers and other state to restore
+                in place (``fabric.load``).
+            strict: Whether the checkpoint must hold exactly the model's tensors and every requested key.
+                ``strict=False`` loads what matches and warns about what it skipped.
+            weights_only: Unpickle only tensors and plain containers (the default, also when ``None``). Pass
+                ``False`` only for a file you trust: unpickling can run code.
+
+        """
+        if not state:
+            raise ValueError(
+                f"Got `FSDPStrategy.load_checkpoint(..., state={state!r})`, but a state with at least a model to"
+                " load into is required. Pass it like so: `fabric.load(path, {'model': model, ...})`."
+            )
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                "Loading a single optimizer object from a checkpoint is not supported yet with the FSDP strategy."
+                " Load it together with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+            )
+        path = Path(self.broadcast(path))
+        ranks = self._rank_info()
+        with StaggeredLoad(
+            node_rank=ranks.node_rank,
+            local_rank=ranks.local_rank,
+            local_world_size=ranks.local_world_size,
+            description=f"Reading {str(path)!r}",
+        ):  # a path that some rank cannot read fails on every rank
+            detected = detect_checkpoint(path)
+        safe = weights_only is not False
+
+        if isinstance(state, Module):
+            module_key, module, optimizers, metadata_keys = None, state, {}, frozenset()
+        else:
+            module_key = _fsdp_module_key(state)
+            module = state[module_key]
+            optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
+            metadata_keys = frozenset(state) - {module_key} - set(optimizers)
+
+        if detected.format is CheckpointFormat.FABRIC_SHARDED:
+            metadata = load_sharded_checkpoint(path, module, module_key or "model", optimizers, strict, safe)
+            if isinstance(state, Module):
+                return {}
+            _validate_keys_for_strict_loading(metadata_keys, metadata.keys(), strict=strict)
+            _move_state_into(source=metadata, destination=state, keys=metadata_keys)
+            return metadata
+
+        request = LoadRequest(module, module_key, optimizers, metadata_keys, strict=strict, weights_only=safe)
+        result = load_checkpoint_file(
+            request, detected, ranks, concurrency=self.load_concurrency, progress=None if self.load_progress else False
+        )
+        skipped = result.plan.skipped_summary()
+        if skipped:
+            rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {skipped}.")
+        if isinstance(state, Module):
+            return {}
+        for key, value in result.metadata.items():
+            state[key] = value
+        return result.remainder
+
+    def _rank_info(self) -> RankInfo:
+        return RankInfo(
+            global_rank=self.global_rank,
+            world_size=self.world_size,
+            node_rank=self.node_rank,
+            local_rank=self.local_rank,
+            local_world_size=self.num_processes,
+        )
+
     def _fsdp_wrapper_kwargs(self) -> dict[str, Any]:
         return {
             "cpu_offload": self.cpu_offload,
@@ -164,6 +275,27 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             "device_id": self.root_device,
             **self._fsdp_kwargs,
         }
+
+
+def _agreed(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it fails on any rank, raise the same error on every rank."""
+    from lightning_fsdp.loading.turns import agree_on_success
+
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as exception:
+        error = exception
+    agree_on_success(error)
+    return result
+
+
+def _fsdp_module_key(state: dict[str, Any]) -> str:
+    keys = [key for key, obj in state.items() if _has_fsdp_modules(obj)]
+    if len(keys) != 1:
+        _single_fsdp_module(state, verb="load")  # raises the error that names the problem
+    return keys[0]
 
 
 def _single_fsdp_module(state: dict[str, Any], verb: str) -> Module:

@@ -25,9 +25,12 @@ def test_is_an_upstream_fsdp_strategy():
 
 
 def test_accepts_every_upstream_argument():
+    """Every upstream parameter is passed through, by keyword and by position."""
     upstream_parameters = inspect.signature(UpstreamFSDPStrategy.__init__).parameters
     ours = inspect.signature(FSDPStrategy.__init__).parameters
-    assert set(upstream_parameters) - {"kwargs"} <= set(ours)
+    assert inspect.Parameter.VAR_POSITIONAL in {p.kind for p in ours.values()}
+    assert inspect.Parameter.VAR_KEYWORD in {p.kind for p in ours.values()}
+    assert not set(upstream_parameters) & {"load_concurrency", "load_progress"}
     strategy = FSDPStrategy(
         cpu_offload=True,
         sharding_strategy="SHARD_GRAD_OP",
@@ -35,11 +38,22 @@ def test_accepts_every_upstream_argument():
         auto_wrap_policy={Block},
         activation_checkpointing_policy={Block},
         limit_all_gathers=True,
+        load_concurrency=2,
     )
     assert strategy.cpu_offload.offload_params
     assert strategy.sharding_strategy.name == "SHARD_GRAD_OP"
     assert strategy._state_dict_type == "full"
     assert strategy._fsdp_kwargs["limit_all_gathers"] is True
+    assert "load_concurrency" not in strategy._fsdp_kwargs
+    assert strategy.load_concurrency == 2
+    positional = FSDPStrategy(None, None, None, None, "gloo")
+    assert positional.process_group_backend == "gloo"
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "all", True])
+def test_load_concurrency_is_validated(value):
+    with pytest.raises(ValueError, match="load_concurrency"):
+        FSDPStrategy(load_concurrency=value)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", *_FSDP_ALIASES, UpstreamFSDPStrategy()])
