@@ -1,18 +1,19 @@
 """Demo: load a consolidated checkpoint that Fabric did not write into an FSDP model sharded over CPU ranks.
 
-It writes a raw module state dict (like lit-llama's ``lit-llama.pth``), launches several CPU ranks (gloo), creates
-the model on the meta device, shards it, loads the file, trains a step, saves a sharded checkpoint, reloads it, and
-reports what happened and how much memory each rank used.
+It writes a raw module state dict (like lit-llama's ``lit-llama.pth``) in torch's zip format and in the legacy
+format, launches several CPU ranks (gloo), creates the model on the meta device, shards it, and loads each file with
+``fabric.load(path, {"model": model})``: the zip file shard-locally through ``mmap``, the legacy file in node turns
+(one rank at a time). Each rank samples its own memory while loading; the table shows the peak above the model's
+base, and a checksum shows the weights are the file's. Then it trains a step, saves a sharded checkpoint and reloads.
 
-Run it with ``make demo`` (or ``python examples/demo.py --devices 4 --width 1024``).
+Run it with ``make demo`` (or ``python examples/demo.py --devices 4 --width 1024 --depth 8``).
 """
 
 import argparse
-import resource
+import threading
 import time
 from pathlib import Path
 
-import psutil
 import torch
 from lightning.fabric import Fabric
 from torch import nn
@@ -45,66 +46,126 @@ class Model(nn.Module):
         return self.head(x)
 
 
-def _memory_mb() -> dict[str, float]:
-    info = psutil.Process().memory_full_info()
-    peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"pss": info.pss / 2**20, "anon": (info.rss - info.shared) / 2**20, "peak_rss": peak_rss_kb / 2**10}
+def _memory_mib() -> tuple[float, float]:
+    """This process's proportional set size: (anonymous, file-backed) MiB. Shared file pages count once per node."""
+    fields = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
+        name, value = line.split(":", 1)
+        fields[name] = int(value.split()[0])
+    return fields.get("Pss_Anon", 0) / 1024, fields.get("Pss_File", 0) / 1024
+
+
+class _PeakSampler:
+    """Samples this process's memory every 10 ms while a load runs, relative to its base before the load."""
+
+    def __init__(self) -> None:
+        self.base = _memory_mib()
+        self.samples: list[tuple[float, float, float]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            anon, file = _memory_mib()
+            self.samples.append((time.time(), anon - self.base[0], file - self.base[1]))
+            time.sleep(0.01)
+
+    def __enter__(self) -> "_PeakSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def _load_and_measure(fabric: Fabric, path: Path, model: nn.Module) -> tuple[float, list, float]:
+    fabric.barrier()
+    with _PeakSampler() as sampler:
+        start = time.perf_counter()
+        fabric.load(path, {"model": model})
+        seconds = time.perf_counter() - start
+    local_sum = sum(p.detach().double().sum() for p in model.parameters())
+    checksum = fabric.all_reduce(torch.as_tensor(local_sum), reduce_op="sum").item()
+    every_rank: list = [None] * fabric.world_size
+    torch.distributed.all_gather_object(every_rank, sampler.samples)
+    return seconds, every_rank, checksum
+
+
+def _peaks(every_rank: list) -> tuple[list[tuple[float, float]], float]:
+    """Each rank's peak (anonymous, file-backed) MiB above its base, and the peak of all ranks' sum at once."""
+    per_rank = [(max(s[1] for s in samples), max(s[2] for s in samples)) for samples in every_rank]
+    # All ranks together: at each 20 ms step, add up every rank's latest sample.
+    start = min(samples[0][0] for samples in every_rank)
+    end = max(samples[-1][0] for samples in every_rank)
+    total_peak, step = 0.0, 0.02
+    for index in range(int((end - start) / step) + 1):
+        moment = start + index * step
+        latest = [[s for s in samples if s[0] <= moment] for samples in every_rank]
+        total_peak = max(total_peak, sum(found[-1][1] + found[-1][2] for found in latest if found))
+    return per_rank, total_peak
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=4, help="CPU ranks (processes)")
-    parser.add_argument("--width", type=int, default=1024, help="model width; 1024 with depth 8 is 34M parameters")
+    parser.add_argument("--width", type=int, default=1024, help="model width; 1024 with depth 8 is 68M parameters")
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--workdir", default="demo_output")
     args = parser.parse_args()
 
     workdir = Path(args.workdir)
-    raw_path = workdir / "lit-llama.pth"
-    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=FSDPStrategy(auto_wrap_policy={Block}))
+    zip_path, legacy_path = workdir / "lit-llama.pth", workdir / "lit-llama-legacy.pth"
+    strategy = FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=1)
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
 
-    if fabric.global_rank == 0 and not raw_path.exists():
+    if fabric.global_rank == 0:
         workdir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
-        torch.save(Model(args.width, args.depth).state_dict(), raw_path)
-    fabric.barrier()
-    size_mb = raw_path.stat().st_size / 2**20
-    fabric.print(f"Raw module state dict: {raw_path} ({size_mb:.0f} MiB), {args.devices} CPU ranks, gloo backend")
+        state_dict = Model(args.width, args.depth).state_dict()
+        torch.save(state_dict, zip_path)
+        torch.save(state_dict, legacy_path, _use_new_zipfile_serialization=False)
+        expected_checksum = sum(t.double().sum() for t in state_dict.values()).item()
+        del state_dict
+    else:
+        expected_checksum = 0.0
+    expected_checksum = fabric.broadcast(expected_checksum)
+    size_mib = zip_path.stat().st_size / 2**20
+    fabric.print(f"Checkpoint: a raw module state dict of {size_mib:.0f} MiB ({args.devices} CPU ranks, gloo)")
 
     with fabric.init_module(empty_init=True):
         model = Model(args.width, args.depth)
     model = fabric.setup_module(model)
-    before = _memory_mb()
 
-    start = time.perf_counter()
-    fabric.load_raw(raw_path, model)
-    load_seconds = time.perf_counter() - start
-    after = _memory_mb()
+    rows = []
+    for label, path in (("zip, shard-local via mmap", zip_path), ("legacy, turns with k=1", legacy_path)):
+        seconds, every_rank, checksum = _load_and_measure(fabric, path, model)
+        assert abs(checksum - expected_checksum) <= 1e-6 * abs(expected_checksum), (checksum, expected_checksum)
+        rows.append((label, seconds, *_peaks(every_rank)))
 
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
     tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(fabric.global_rank))
-    logits = model(tokens[:, :-1])
-    loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     fabric.backward(loss)
     optimizer.step()
-
     sharded_path = workdir / "sharded"
     fabric.save(sharded_path, {"model": model, "optimizer": optimizer, "step": 1})
     state = {"model": model, "optimizer": optimizer, "step": 0}
     fabric.load(sharded_path, state)
 
-    rows = fabric.all_gather(torch.tensor([before["pss"], after["pss"], after["anon"], after["peak_rss"]]))
     if fabric.global_rank == 0:
-        local_params = sum(p.numel() for p in model.parameters())
-        print(f"Loaded in {load_seconds:.2f} s; rank 0 holds {local_params:,} parameters (its shard).")
+        print("\nPeak memory while loading, above the base before the load (PSS: shared file pages count once).")
+        print("Per rank: anonymous + file-backed MiB. All ranks: the peak of their sum at the same moment.\n")
+        ranks = " | ".join(f"rank {rank}" for rank in range(fabric.world_size))
+        print(f"| file | load time | {ranks} | all ranks at once |")
+        print("| --- | --- | " + " | ".join("---" for _ in range(fabric.world_size)) + " | --- |")
+        for label, seconds, per_rank, total in rows:
+            cells = " | ".join(f"{anon:.0f} + {file:.0f}" for anon, file in per_rank)
+            print(f"| {label} | {seconds:.2f} s | {cells} | {total:.0f} MiB ({total / size_mib:.2f}x the file) |")
+        print("\nEvery load's checksum matched the file's. A plain `torch.load` on every rank would hold")
+        print(f"{args.devices} copies ({args.devices * size_mib:.0f} MiB) at once.")
         print(f"Trained one step (loss {loss.item():.4f}), saved and reloaded {sharded_path} (step={state['step']}).")
-        print("\n| rank | PSS before load (MiB) | PSS after load (MiB) | anonymous after (MiB) | peak RSS (MiB) |")
-        print("| --- | --- | --- | --- | --- |")
-        for rank, row in enumerate(rows.view(-1, 4).tolist()):
-            print(f"| {rank} | {row[0]:.0f} | {row[1]:.0f} | {row[2]:.0f} | {row[3]:.0f} |")
-        total_pss = rows.view(-1, 4)[:, 1].sum().item()
-        print(f"\nAll ranks together after load: {total_pss:.0f} MiB PSS for a {size_mb:.0f} MiB checkpoint.")
 
 
 if __name__ == "__main__":
