@@ -1,13 +1,29 @@
 """The load benchmark (``benchmarks/bench_load.py``) runs end to end and reports sane numbers (not a timed test)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
+from lightning.fabric import Fabric
+
+from lightning_fsdp import FSDPStrategy
+from tests.tests_fabric.helpers.distributed import run_distributed
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_load.py"
+
+
+def _import_benchmark() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_load", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_load"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sampler reads /proc")
@@ -53,3 +69,37 @@ def test_benchmark_smoke(tmp_path):
         assert 0 < result["peak_anon"] <= result["peak_pss"]
         assert 0 < result["peak_file"] <= result["peak_pss"]
         assert result["samples_in_load"] >= 1
+
+
+def _save_full_checkpoint(bench: ModuleType, path: str) -> None:
+    strategy = FSDPStrategy(auto_wrap_policy={bench.Block}, state_dict_type="full")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = bench.Model(8, 2)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=bench.ADAM_LR))
+    fabric.backward(model(torch.randn(2, 8)).sum())
+    optimizer.step()
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+
+
+def _structure(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _structure(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, [_structure(item) for item in value]
+    if isinstance(value, torch.Tensor):
+        return "tensor", tuple(value.shape), value.dtype
+    return value
+
+
+def test_full_checkpoint_is_built_like_fabric_save(tmp_path):
+    """The benchmark writes its full checkpoint directly; it must have the layout that `fabric.save` gives."""
+    bench = _import_benchmark()
+    path = tmp_path / "fabric.ckpt"
+    run_distributed(_save_full_checkpoint, bench, str(path), devices=2)
+    saved = torch.load(path, weights_only=True)
+    _, param_names = bench._state_dict_layout(8, 2)
+    built = bench._full_checkpoint(bench._make_state_dict(8, 2), param_names)
+    assert _structure(built) == _structure(saved)
