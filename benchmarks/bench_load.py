@@ -37,6 +37,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -1135,7 +1136,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated k values for lightning-fsdp (int, 'all', 'auto'); default: 1,all for the legacy"
         " format, the strategy's default otherwise",
     )
-    parser.add_argument("--workdir", type=Path, default=Path("bench_output"), help="checkpoints, logs, results")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "lightning_fsdp_bench",
+        help="checkpoints, logs, results (default: %(default)s)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="also write the Markdown table to this file")
     parser.add_argument("--json", type=Path, default=None, help="all numbers (default: WORKDIR/results.json)")
     parser.add_argument("--cache", choices=("cold", "warm"), default="cold", help="page cache before each load")
@@ -1156,6 +1162,8 @@ def main(argv: list[str] | None = None) -> int:
     args.implementations = [i.strip() for i in args.implementations.split(",") if i.strip()]
     if args.load_concurrency is not None:
         args.load_concurrency = [k.strip() for k in args.load_concurrency.split(",") if k.strip()]
+        if bad := [k for k in args.load_concurrency if not (k.isdigit() and int(k) > 0) and k not in ("all", "auto")]:
+            parser.error(f"--load-concurrency takes positive integers, 'all' and 'auto', got {bad}")
     if unknown := set(args.formats) - set(FORMATS):
         parser.error(f"unknown formats {sorted(unknown)}")
     if unknown := set(args.implementations) - {"upstream", "ours"}:
