@@ -73,7 +73,8 @@ def test_benchmark_smoke(tmp_path):
         assert result["peak_rss_sum_of_rank_peaks"] >= 0.98 * result["peak_rss_sampled"] > 0
 
 
-def _save_full_checkpoint(bench: ModuleType, path: str) -> None:
+def _save_full_checkpoint(path: str) -> None:
+    bench = _import_benchmark()  # in this rank's process: a module cannot be sent to it
     strategy = FSDPStrategy(auto_wrap_policy={bench.Block}, state_dict_type="full")
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
@@ -100,7 +101,7 @@ def test_full_checkpoint_is_built_like_fabric_save(tmp_path):
     """The benchmark writes its full checkpoint directly; it must have the layout that `fabric.save` gives."""
     bench = _import_benchmark()
     path = tmp_path / "fabric.ckpt"
-    run_distributed(_save_full_checkpoint, bench, str(path), devices=2)
+    run_distributed(_save_full_checkpoint, str(path), devices=2)
     saved = torch.load(path, weights_only=True)
     _, param_names = bench._state_dict_layout(8, 2)
     built = bench._full_checkpoint(bench._make_state_dict(8, 2), param_names)

@@ -10,6 +10,7 @@ from typing import Any
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 _GRACE_AFTER_FAILURE = 10.0
+_PRELOAD = ["torch", "torch.distributed.fsdp", "lightning.fabric", "lightning_fsdp", "tests.tests_fabric.helpers.state"]
 
 
 def run_distributed(
@@ -18,7 +19,7 @@ def run_distributed(
     devices: int,
     num_nodes: int = 1,
     timeout: float = 240.0,
-    start_method: str = "fork",
+    start_method: str = "forkserver",
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``num_nodes * devices`` processes and return what each returned, by global rank.
@@ -27,10 +28,16 @@ def run_distributed(
     ``MASTER_ADDR``, ``MASTER_PORT``), so ``Fabric(devices=devices, num_nodes=num_nodes)`` inside ``fn`` joins the
     group without launching anything itself. An exception in any process fails the call with that process's
     traceback; a process still running after ``timeout`` seconds is killed and the call fails (no hung test).
-    CPU tests fork (fast); CUDA tests must pass ``start_method="spawn"``.
+    Ranks start from a fork server that has torch and Lightning imported (fast, and safe after the test process ran
+    torch ops); CUDA tests pass ``start_method="spawn"``. ``fn`` and ``args`` must be picklable.
 
     """
     context = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        # The server imports these once; every rank forks from it with them loaded, so starting a rank is fast. It
+        # never runs a torch op, so it has no OpenMP threads that a fork would leave dead (pytest's process may have:
+        # a rank forked straight from it can hang in its first parallel op).
+        context.set_forkserver_preload(_PRELOAD)
     results = context.SimpleQueue()
     port = find_free_network_port()
     world_size = devices * num_nodes
