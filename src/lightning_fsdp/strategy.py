@@ -29,7 +29,7 @@ from lightning.fabric.strategies.fsdp import (
     _move_torchmetrics_to_device,
     _setup_activation_checkpointing,
 )
-from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
+from lightning.fabric.strategies.strategy import _apply_filter
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -46,7 +46,7 @@ from lightning_fsdp.devices import (
 )
 from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint
 from lightning_fsdp.loading.loader import LoadRequest, RankInfo, load_checkpoint_file
-from lightning_fsdp.loading.sharded import load_sharded_checkpoint
+from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint, stored_entries
 from lightning_fsdp.loading.turns import StaggeredLoad, validate_concurrency
 
 
@@ -238,10 +238,19 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             metadata_keys = frozenset(state) - {module_key} - set(optimizers)
 
         if detected.format is CheckpointFormat.FABRIC_SHARDED:
-            metadata = load_sharded_checkpoint(path, module, module_key or "model", optimizers, strict, safe)
+            key = module_key or "model"
+            with StaggeredLoad(
+                node_rank=ranks.node_rank,
+                local_rank=ranks.local_rank,
+                local_world_size=ranks.local_world_size,
+                description=f"Loading {str(path)!r}",
+            ) as agreement:
+                metadata = check_sharded_request(path, key, list(optimizers), metadata_keys, strict, safe)
+                agreement.agree_on_success()  # before the collectives of the distributed checkpoint reader
+                present = {k: optimizer for k, optimizer in optimizers.items() if strict or k in stored_entries(path)}
+                load_sharded_checkpoint(path, module, key, present, strict)
             if isinstance(state, Module):
                 return {}
-            _validate_keys_for_strict_loading(metadata_keys, metadata.keys(), strict=strict)
             _move_state_into(source=metadata, destination=state, keys=metadata_keys)
             return metadata
 
@@ -254,8 +263,7 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {skipped}.")
         if isinstance(state, Module):
             return {}
-        for key, value in result.metadata.items():
-            state[key] = value
+        _move_state_into(source=result.metadata, destination=state, keys=metadata_keys)
         return result.remainder
 
     def _rank_info(self) -> RankInfo:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
-from lightning_fsdp import FSDPStrategy
+from lightning_fsdp import FSDPStrategy, convert_checkpoint
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from tests.tests_fabric.helpers.checkpoints import write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
@@ -75,6 +75,20 @@ def _strictness(paths: dict[str, str]) -> bool:
     assert state["step"] == 42
     assert state["epoch"] == 7
     assert_same_state(gather_full_state(model)["model"], expected)
+
+    # A sharded checkpoint (here converted from the raw file) is checked the same way before anything is read.
+    model, optimizer = _setup(fabric, seed=8)
+    before = gather_full_state(model, optimizer)
+    state = {"model": model, "optimizer": optimizer}
+    with pytest.raises(CheckpointLoadError, match=r"no entry 'optimizer'.*strict=False"):
+        fabric.load(paths["sharded"], state)
+    assert_same_state(gather_full_state(model, optimizer), before)
+    with pytest.raises(CheckpointLoadError, match=r"no entry 'net' for the model.*'model'"):
+        fabric.load(paths["sharded"], {"net": model})
+    fabric.load(paths["sharded"], state, strict=False)
+    after = gather_full_state(model, optimizer)
+    assert_same_state(after["model"], expected)
+    assert_same_state(after["optimizer"], before["optimizer"])
     return True
 
 
@@ -88,4 +102,5 @@ def test_strict_and_non_strict(tmp_path):
     partial = {k: v for k, v in state_dict.items() if not k.startswith("blocks.0.")}
     partial["extra.weight"] = torch.ones(3)
     paths["partial"] = str(write_checkpoint(partial, tmp_path / "partial", "safetensors"))
+    paths["sharded"] = convert_checkpoint(paths["raw"], tmp_path / "sharded").output
     assert run_distributed(_strictness, paths, devices=2) == [True, True]

@@ -7,7 +7,7 @@ touches ``cuda:0`` of another rank, and with ``weights_only=True`` unless the ca
 Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the sharded branch of ``load_checkpoint``).
 """
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,24 +16,66 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.formats import _FABRIC_METADATA_FILENAME, _first_line
+from lightning_fsdp.loading.formats import _DCP_METADATA_FILENAME, _FABRIC_METADATA_FILENAME, _first_line
 
 
-def load_sharded_checkpoint(
+def check_sharded_request(
     path: Path,
-    module: Module,
     module_key: str,
-    optimizers: Mapping[str, Optimizer],
+    optimizer_keys: Sequence[str],
+    metadata_keys: Iterable[str],
     strict: bool,
     weights_only: bool,
 ) -> dict[str, Any]:
-    """Restore ``module`` and ``optimizers`` from the shards in ``path``; return the user's metadata (``meta.pt``)."""
+    """Check that the checkpoint holds what the caller asks for, before anything is read into the model.
+
+    Returns:
+        The user's metadata (``meta.pt``).
+
+    Raises:
+        CheckpointLoadError: If the model's entry is missing, or (with ``strict=True``) a requested optimizer or key.
+
+    """
+    if not (path / _DCP_METADATA_FILENAME).is_file():
+        raise CheckpointLoadError(
+            f"The sharded checkpoint {str(path)!r} has no `{_DCP_METADATA_FILENAME}` file: the save was interrupted"
+            " or the directory was copied in part."
+        )
+    stored = stored_entries(path)
+    metadata = read_sharded_metadata(path, weights_only)
+    entries = ", ".join(repr(key) for key in sorted(stored | set(map(str, metadata))))
+    if module_key not in stored:
+        raise CheckpointLoadError(
+            f"The sharded checkpoint {str(path)!r} has no entry {module_key!r} for the model. Its entries are"
+            f" {entries}: pass the model under the key it was saved with."
+        )
+    absent = sorted(
+        [key for key in optimizer_keys if key not in stored] + [k for k in metadata_keys if k not in metadata]
+    )
+    if absent and strict:
+        raise CheckpointLoadError(
+            f"The sharded checkpoint has no entry {', '.join(repr(k) for k in absent)} that the state asks for. Its"
+            f" entries are {entries}. To load what is there, pass `strict=False`."
+        )
+    return metadata
+
+
+def stored_entries(path: Path) -> set[str]:
+    """The top-level keys whose tensors a sharded checkpoint holds (``model``, ``optimizer``, ...)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return {fqn.split(".", 1)[0] for fqn in FileSystemReader(path).read_metadata().state_dict_metadata}
+
+
+def load_sharded_checkpoint(
+    path: Path, module: Module, module_key: str, optimizers: Mapping[str, Optimizer], strict: bool
+) -> None:
+    """Restore ``module`` and ``optimizers`` from the shards in ``path`` (after :func:`check_sharded_request`)."""
     from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load, _get_sharded_state_dict_context
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    metadata = read_sharded_metadata(path, weights_only)
     with _get_sharded_state_dict_context(module):
         module_state = {module_key: module.state_dict()}
         _distributed_checkpoint_load(module_state, path)
@@ -48,7 +90,6 @@ def load_sharded_checkpoint(
                     optim_state_dict=optimizer_state[optimizer_key], model=module, optim=optimizer
                 )
                 optimizer.load_state_dict(flattened)
-    return metadata
 
 
 def read_sharded_metadata(path: Path, weights_only: bool) -> dict[str, Any]:
