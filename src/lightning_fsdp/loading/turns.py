@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -36,6 +37,8 @@ _KEY_ROOT = "lightning_fsdp/staggered_load"
 #: Polling starts fast (a turn that is free at once costs nothing) and backs off to this interval.
 _POLL_MIN_S = 0.005
 _POLL_MAX_S = 0.2
+#: How long one blocking wait for a turn lasts before the waiting rank looks for failures again.
+_WAIT_SLICE_S = 0.2
 #: Once a failure is known, how long a rank waits for the others to reach the agreement before it raises anyway (the
 #: ranks that are not busy inside their own turn arrive within one poll interval).
 _FAILURE_GRACE_S = 5.0
@@ -250,7 +253,7 @@ class StaggeredLoad:
                 self._channel.start_turn(node, concurrency, turn.count)
             # The ranks enter in the order of their local ranks: rank ``i`` once ``i - k + 1`` ranks of its node have
             # left, so that at most ``k`` are inside at any time.
-            self._wait_for(lambda: int(node.add("done", 0)) >= self._local_rank - concurrency + 1)
+            self._wait_until_left(node, self._local_rank - concurrency + 1)
             node.add("started", 1)
             started = True
             self._refresh_progress(force=True)
@@ -266,7 +269,41 @@ class StaggeredLoad:
                 gc.collect()
             if self._progress is not None:
                 self._progress.refresh(force=True)
-            _store_op(self._description, node.add, "done", 1)
+            left = int(_store_op(self._description, node.add, "done", 1))
+            # Wakes the rank that waits for exactly this many to have left (see `_wait_until_left`).
+            _store_op(self._description, node.set, f"left/{left}", "1")
+
+    def _wait_until_left(self, node: dist.Store, count: int) -> None:
+        """Block until ``count`` ranks of the node have left their turn, raising as soon as any rank has failed.
+
+        The wait is the store's own (``wait`` on the key the ``count``-th rank sets as it leaves), so the next rank
+        starts the moment a slot frees, without polling; it is cut into short slices to check for failures.
+
+        """
+        if count <= 0:
+            if self._failures():
+                raise _agreed_error(self._description, self._failures(), waiting=True)
+            return
+        key = f"left/{count}"
+        while True:
+            failures = self._failures()
+            if failures:
+                raise _agreed_error(self._description, failures, waiting=True)
+            try:
+                node.wait([key], timedelta(seconds=_WAIT_SLICE_S))
+            except dist.DistStoreError:  # the slice ended: look for failures, then wait again
+                self._refresh_progress()
+                continue
+            except dist.DistError as error:
+                raise CheckpointLoadError(
+                    f"{self._description} could not reach the process group's store: the process that hosts it"
+                    " (usually rank 0) has probably exited after an error. See the other ranks' output for it."
+                ) from error
+            # A failing rank publishes before it leaves: read the failures once more before starting.
+            failures = self._failures()
+            if failures:
+                raise _agreed_error(self._description, failures, waiting=True)
+            return
 
     def _ranks_still_waiting(self, node: dist.Store, concurrency: int) -> bool:
         # Rank ``i`` waits until ``i - k + 1`` ranks are done: once ``n - k`` are, nobody waits.

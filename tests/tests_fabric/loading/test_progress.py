@@ -94,6 +94,7 @@ def test_stderr_by_default(capsys):
 
 
 def _node_progress(output_dir: str, devices: int, num_nodes: int) -> None:
+    progress_module._SHOW_AFTER_S = 0.0  # draw from the start: turns hand over fast, the load may take under 1 s
     rank, node_rank, local_rank = _init_process_group(devices, num_nodes)
     ranks = {"node_rank": node_rank, "local_rank": local_rank}
     with open(os.path.join(output_dir, f"rank{rank}.txt"), "w") as output:
