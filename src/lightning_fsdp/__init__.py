@@ -5,8 +5,17 @@ from lightning_fsdp._versions import _check_supported_versions
 _check_supported_versions()
 
 from lightning_fsdp.__about__ import __version__  # noqa: E402
+from lightning_fsdp.loading.convert import convert_checkpoint  # noqa: E402
 from lightning_fsdp.loading.errors import CheckpointLoadError  # noqa: E402
 from lightning_fsdp.opt_in import disable, enable, is_enabled  # noqa: E402
 from lightning_fsdp.strategy import FSDPStrategy  # noqa: E402
 
-__all__ = ["CheckpointLoadError", "FSDPStrategy", "__version__", "disable", "enable", "is_enabled"]
+__all__ = [
+    "CheckpointLoadError",
+    "FSDPStrategy",
+    "__version__",
+    "convert_checkpoint",
+    "disable",
+    "enable",
+    "is_enabled",
+]

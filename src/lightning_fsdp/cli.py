@@ -138,7 +138,9 @@ def _convert(args: argparse.Namespace) -> int:
     if result.metadata_keys:
         print(f"kept metadata: {', '.join(result.metadata_keys)}")
     if result.skipped_keys:
-        print(f"not converted (optimizer state): {', '.join(result.skipped_keys)}")
+        print(
+            f"not converted (tensors other than the module's, e.g. optimizer state): {', '.join(result.skipped_keys)}"
+        )
     return 0
 
 

@@ -114,7 +114,7 @@ class ConversionResult:
     chunks: int
     metadata_keys: list[str] = field(default_factory=list)
     skipped_keys: list[str] = field(default_factory=list)
-    """Entries of a Fabric checkpoint that were not converted (optimizer states)."""
+    """Entries of a Fabric checkpoint that hold tensors but not the module's state (optimizer states): not converted."""
 
 
 def convert_checkpoint(
@@ -200,7 +200,9 @@ def _streaming_source(
         for key, value in content.items():
             if key == module_key:
                 continue
-            if any(True for _ in _walk_tensors(value)):
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                metadata[key] = _read_scalar(detected, str(key), value)  # e.g. a step counter saved as a tensor
+            elif any(True for _ in _walk_tensors(value)):
                 skipped.append(str(key))  # optimizer states: their sharded layout is FSDP's, not convertible offline
             else:
                 metadata[key] = value
@@ -215,6 +217,12 @@ def _streaming_source(
     if detected.format is CheckpointFormat.TORCH_ZIP:
         return ByteRangeSource.from_zip_entries(detected.path, tensors), metadata, skipped
     return DictSource(tensors, lazy=False), metadata, skipped
+
+
+def _read_scalar(detected: DetectedCheckpoint, key: str, value: torch.Tensor) -> torch.Tensor:
+    if value.is_meta:
+        return ByteRangeSource.from_zip_entries(detected.path, {key: value}).read(key).clone()
+    return value
 
 
 def _file_source(file: Path, weights_only: bool) -> TensorSource:
