@@ -1,4 +1,8 @@
-"""Sources that must be read whole (legacy format) are loaded in node turns; failures reach every rank."""
+"""Sources that must be read whole are loaded in node turns; failures reach every rank.
+
+A Fabric checkpoint in the legacy format is read whole (its optimizer state and metadata are used as tensors); a raw
+state dict in the legacy format is read by byte ranges, like a zip file, and needs no turns.
+"""
 
 import itertools
 import time
@@ -52,11 +56,17 @@ def _overlaps(intervals: list[tuple[float, float]]) -> bool:
     return any(later[0] < earlier[1] for earlier, later in itertools.pairwise(ordered))
 
 
-def test_legacy_file_is_read_one_rank_per_node_at_a_time(tmp_path):
+def _write_legacy_fabric_checkpoint(tmp_path):
     torch.manual_seed(0)
     state_dict = TinyTransformer().state_dict()
     torch.save(state_dict, tmp_path / "expected.pt")
-    path = write_checkpoint(state_dict, tmp_path, "torch-legacy")
+    path = tmp_path / "legacy.ckpt"
+    torch.save({"model": state_dict, "step": 1}, path, _use_new_zipfile_serialization=False)
+    return path
+
+
+def test_legacy_file_is_read_one_rank_per_node_at_a_time(tmp_path):
+    path = _write_legacy_fabric_checkpoint(tmp_path)
     results = run_distributed(
         _load_in_turns, str(path), str(tmp_path / "expected.pt"), 1, 2, devices=2, num_nodes=2, timeout=300
     )
@@ -70,10 +80,7 @@ def test_legacy_file_is_read_one_rank_per_node_at_a_time(tmp_path):
 
 
 def test_legacy_file_with_all_ranks_at_once(tmp_path):
-    torch.manual_seed(0)
-    state_dict = TinyTransformer().state_dict()
-    torch.save(state_dict, tmp_path / "expected.pt")
-    path = write_checkpoint(state_dict, tmp_path, "torch-legacy")
+    path = _write_legacy_fabric_checkpoint(tmp_path)
     results = run_distributed(_load_in_turns, str(path), str(tmp_path / "expected.pt"), 2, 1, devices=2)
     assert _overlaps([interval for _, interval in results])
 
@@ -102,6 +109,8 @@ def test_a_failing_rank_makes_every_rank_raise_promptly(tmp_path):
     torch.manual_seed(0)
     state_dict = TinyTransformer().state_dict()
     paths = {fmt: str(write_checkpoint(state_dict, tmp_path / fmt, fmt)) for fmt in ("torch-zip", "torch-legacy")}
+    torch.save({"model": state_dict}, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    paths["legacy-fabric"] = str(tmp_path / "legacy.ckpt")
     per_rank = run_distributed(_one_rank_fails, paths, devices=4, timeout=300)
     for fmt in paths:
         messages = {outcomes[fmt][0] for outcomes in per_rank}
@@ -110,7 +119,30 @@ def test_a_failing_rank_makes_every_rank_raise_promptly(tmp_path):
         assert "failed on rank 2" in message, message
         assert "shape mismatch" in message
         assert max(outcomes[fmt][1] for outcomes in per_rank) < 15
-    # A lazy source is validated on every rank before any rank writes: no model changed.
+    # A source read by byte ranges is validated on every rank before any rank writes: no model changed.
     assert all(outcomes["torch-zip"][2] for outcomes in per_rank)
+    assert all(outcomes["torch-legacy"][2] for outcomes in per_rank)
     # In turns, ranks after the failing one never start (ranks before it have loaded, which is unavoidable).
-    assert per_rank[3]["torch-legacy"][2]
+    assert per_rank[3]["legacy-fabric"][2]
+
+
+def _raw_legacy_without_turns(path: str, expected_path: str) -> int:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=1))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = TinyTransformer()
+    model = fabric.setup_module(model)
+    intervals: list = []
+    _record_materialized_intervals(intervals)
+    fabric.load(path, {"model": model})
+    assert_same_state(gather_full_state(model)["model"], torch.load(expected_path, weights_only=True))
+    return len(intervals)
+
+
+def test_raw_legacy_file_is_read_by_byte_ranges_without_turns(tmp_path):
+    """A legacy file's pickles come before its data and say where each tensor is: no rank reads the file whole."""
+    torch.manual_seed(0)
+    state_dict = TinyTransformer().state_dict()
+    torch.save(state_dict, tmp_path / "expected.pt")
+    path = write_checkpoint(state_dict, tmp_path, "torch-legacy")
+    assert run_distributed(_raw_legacy_without_turns, str(path), str(tmp_path / "expected.pt"), devices=2) == [0, 0]

@@ -34,10 +34,15 @@ from lightning_fsdp.loading.formats import (
     MergedSource,
     TensorSource,
     TensorSpec,
+    _NotLocatable,
     _read_index,
     _sniff_file,
+    check_all_tensors,
     detect_checkpoint,
+    is_lazy,
     load_torch_file,
+    open_legacy_file,
+    read_legacy_layout,
 )
 
 #: Rows per chunk are chosen so that a chunk holds about this many bytes.
@@ -92,7 +97,7 @@ def describe_checkpoint(path: str | Path, weights_only: bool = True) -> Checkpoi
         path=str(detected.path),
         format=detected.format.value,
         kind=kind,
-        lazy=detected.format.lazy and not _has_legacy_shards(detected),
+        lazy=is_lazy(detected, weights_only),
         files=len(detected.files),
         file_bytes=detected.nbytes,
         tensors=len(specs),
@@ -189,7 +194,15 @@ def _streaming_source(
                 f"The index {str(detected.path)!r} names tensors its shards do not hold: {', '.join(missing[:5])}."
             )
         return merged, {}, []
-    content = load_torch_file(detected.path, detected.format, weights_only, map_location=_map_location(detected))
+    legacy_offsets: dict[int, int] | None = None
+    if detected.format is CheckpointFormat.TORCH_LEGACY:
+        try:
+            content, legacy_offsets = read_legacy_layout(detected.path, weights_only)
+        except _NotLocatable:
+            content = load_torch_file(detected.path, detected.format, weights_only)
+    else:
+        content = load_torch_file(detected.path, detected.format, weights_only, map_location="meta")
+    content_structure = content
     if not isinstance(content, Mapping):
         raise CheckpointLoadError(f"The file {str(detected.path)!r} holds a {type(content).__name__}, not a dict.")
     metadata: dict[str, Any] = {}
@@ -214,8 +227,17 @@ def _streaming_source(
             f"The checkpoint {str(detected.path)!r} has no entry {module_key!r} with the module's state, and is not a"
             f" raw state dict. Its entries are {keys}: pass the key of the module's state."
         )
-    if detected.format is CheckpointFormat.TORCH_ZIP:
-        return ByteRangeSource.from_zip_entries(detected.path, tensors), metadata, skipped
+    check_all_tensors(tensors)
+    try:
+        if detected.format is CheckpointFormat.TORCH_ZIP:
+            return ByteRangeSource.from_zip_entries(detected.path, tensors), metadata, skipped
+        if legacy_offsets is not None:
+            return ByteRangeSource.from_legacy_layout(detected.path, tensors, legacy_offsets), metadata, skipped
+    except _NotLocatable:
+        pass
+    # Tensors that cannot be located by byte offset (views): read the file whole.
+    content = load_torch_file(detected.path, detected.format, weights_only)
+    tensors = content[module_key] if tensors is not content_structure else content
     return DictSource(tensors, lazy=False), metadata, skipped
 
 
@@ -229,21 +251,13 @@ def _file_source(file: Path, weights_only: bool) -> TensorSource:
     file_format = _sniff_file(file)
     if file_format is CheckpointFormat.SAFETENSORS:
         return ByteRangeSource.from_safetensors([file])
-    if file_format is CheckpointFormat.TORCH_ZIP:
-        content = load_torch_file(file, file_format, weights_only, map_location="meta")
+    if file_format is CheckpointFormat.TORCH_LEGACY:
+        return open_legacy_file(file, weights_only)
+    content = load_torch_file(file, file_format, weights_only, map_location="meta")
+    try:
         return ByteRangeSource.from_zip_entries(file, content)
-    return DictSource(load_torch_file(file, file_format, weights_only), lazy=False)
-
-
-def _map_location(detected: DetectedCheckpoint) -> str:
-    # A zip file's tensors are located by offset and read later; a legacy file can only be read whole.
-    return "meta" if detected.format is CheckpointFormat.TORCH_ZIP else "cpu"
-
-
-def _has_legacy_shards(detected: DetectedCheckpoint) -> bool:
-    return detected.format is CheckpointFormat.HF_INDEX and any(
-        _sniff_file(file) is CheckpointFormat.TORCH_LEGACY for file in detected.files
-    )
+    except _NotLocatable:  # views: read through a memory map instead
+        return DictSource(load_torch_file(file, file_format, weights_only), lazy=True)
 
 
 def _walk_tensors(obj: Any, prefix: str = "") -> Any:

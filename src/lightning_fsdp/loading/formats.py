@@ -7,8 +7,10 @@ import json
 import math
 import mmap
 import pickle
+import struct
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -54,7 +56,8 @@ class CheckpointFormat(str, Enum):
     TORCH_ZIP = "torch-zip"
     """A ``torch.save`` file in the zip format (the default since torch 1.6): read lazily through ``mmap``."""
     TORCH_LEGACY = "torch-legacy"
-    """A ``torch.save`` file in the legacy format (``_use_new_zipfile_serialization=False``): read whole."""
+    """A ``torch.save`` file in the legacy format (``_use_new_zipfile_serialization=False``). A raw state dict is
+    read by byte ranges (its pickles come first and say where each tensor is); a Fabric checkpoint is read whole."""
     SAFETENSORS = "safetensors"
     """A ``.safetensors`` file: read lazily, slice by slice, and never unpickled."""
     HF_INDEX = "hf-index"
@@ -62,7 +65,7 @@ class CheckpointFormat(str, Enum):
 
     @property
     def lazy(self) -> bool:
-        """Whether a rank can read just the bytes it needs, without materialising the whole source in memory."""
+        """Whether a rank can always read just the bytes it needs, without materialising the whole source."""
         return self is not CheckpointFormat.TORCH_LEGACY
 
 
@@ -192,8 +195,15 @@ def load_torch_file(path: Path, file_format: CheckpointFormat, weights_only: boo
 
     """
     mmap = file_format is CheckpointFormat.TORCH_ZIP and map_location != "meta"
-    try:
+    with _reading_errors(path, weights_only):
         return torch.load(path, map_location=map_location, mmap=mmap, weights_only=weights_only)
+
+
+@contextmanager
+def _reading_errors(path: Path, weights_only: bool) -> Iterator[None]:
+    """Turn what unpickling a bad or unsafe file raises into one :class:`CheckpointLoadError` that says why."""
+    try:
+        yield
     except pickle.UnpicklingError as error:
         if weights_only:
             raise CheckpointLoadError(
@@ -202,11 +212,77 @@ def load_torch_file(path: Path, file_format: CheckpointFormat, weights_only: boo
                 f" it with `weights_only=False`. Details: {_first_line(error)}"
             ) from None
         raise CheckpointLoadError(f"The file {str(path)!r} is not a readable `torch.save` file: {error}") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, struct.error) as error:
         raise CheckpointLoadError(
             f"The file {str(path)!r} could not be read as a `torch.save` checkpoint: it looks truncated or corrupt"
             f" ({_first_line(error)}). Re-copy or re-save it."
         ) from None
+
+
+class _NotLocatable(Exception):
+    """A legacy-format file whose tensors cannot be located by byte offset (the caller reads it whole instead)."""
+
+
+def read_legacy_layout(path: Path, weights_only: bool) -> tuple[Any, dict[int, int]]:
+    """Read the structure of a legacy-format ``torch.save`` file and where each storage's bytes are, not its data.
+
+    The legacy format is a sequence of pickles (magic number, protocol, system info, the object, the storage keys)
+    followed by each storage's element count and bytes, in the order of the keys. The pickles come first, so the
+    structure and every storage's offset are known after reading a few kilobytes.
+
+    Returns:
+        The unpickled object with tensors on the meta device, and for each storage (by its ``_cdata``) the offset of
+        its first byte in the file.
+
+    Raises:
+        _NotLocatable: For files this reader does not know (storage views, other legacy variants).
+        CheckpointLoadError: For unsafe (with ``weights_only``), truncated or corrupt files.
+
+    """
+    from torch._weights_only_unpickler import Unpickler as WeightsOnlyUnpickler
+
+    unpickler_class = WeightsOnlyUnpickler if weights_only else pickle.Unpickler
+    storages: dict[str, torch.TypedStorage] = {}
+
+    def persistent_load(saved_id: tuple) -> Any:
+        kind = saved_id[0].decode("ascii") if isinstance(saved_id[0], bytes) else saved_id[0]
+        if kind == "module" and not weights_only:
+            return saved_id[1]
+        if kind != "storage":
+            raise _NotLocatable(f"persistent id {kind!r}")
+        storage_type, key, _location, numel, view_metadata = saved_id[1:]
+        if view_metadata is not None:
+            raise _NotLocatable("a storage view")
+        if key not in storages:
+            dtype = storage_type.dtype
+            untyped = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
+            storages[key] = torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        return storages[key]
+
+    with _reading_errors(path, weights_only), open(path, "rb") as file:
+        for _ in range(3):  # magic number, protocol version, system info
+            unpickler_class(file).load()
+        unpickler = unpickler_class(file)
+        unpickler.persistent_load = persistent_load
+        content = unpickler.load()
+        keys = unpickler_class(file).load()
+        offsets: dict[int, int] = {}
+        position = file.tell()
+        for key in keys:
+            storage = storages.get(key)
+            if storage is None:
+                raise _NotLocatable(f"storage {key!r} is not referenced")
+            file.seek(position)
+            (numel,) = struct.unpack("<q", file.read(8))
+            if numel * storage.dtype.itemsize != storage._untyped_storage.nbytes():
+                raise _NotLocatable(f"storage {key!r} has {numel} elements, not {storage.size()}")
+            offsets[storage._untyped_storage._cdata] = position + 8
+            position += 8 + storage._untyped_storage.nbytes()
+        if position > path.stat().st_size:
+            raise CheckpointLoadError(
+                f"The file {str(path)!r} could not be read as a `torch.save` checkpoint: it is truncated. Re-copy it."
+            )
+    return content, offsets
 
 
 def _first_line(error: BaseException) -> str:
@@ -240,20 +316,25 @@ class TensorSource:
         """Release open files and mappings."""
 
 
+def check_all_tensors(state_dict: Mapping[str, Any]) -> None:
+    """Raise if a module state dict holds values other than tensors, naming the first few."""
+    not_tensors = {k: type(v).__name__ for k, v in state_dict.items() if not isinstance(v, torch.Tensor)}
+    if not_tensors:
+        shown = ", ".join(f"{k!r} ({t})" for k, t in list(not_tensors.items())[:5])
+        raise CheckpointLoadError(
+            f"The state dict holds {len(not_tensors)} value(s) that are not tensors where tensors are expected:"
+            f" {shown}{', ...' if len(not_tensors) > 5 else ''}. A module state dict maps parameter and buffer"
+            " names to tensors."
+        )
+
+
 class DictSource(TensorSource):
     """Tensors from an in-memory or memory-mapped state dict (what ``torch.load`` returned)."""
 
     def __init__(self, state_dict: Mapping[str, Any], lazy: bool) -> None:
         self._state_dict = state_dict
         self.lazy = lazy
-        not_tensors = {k: type(v).__name__ for k, v in state_dict.items() if not isinstance(v, torch.Tensor)}
-        if not_tensors:
-            shown = ", ".join(f"{k!r} ({t})" for k, t in list(not_tensors.items())[:5])
-            raise CheckpointLoadError(
-                f"The state dict holds {len(not_tensors)} value(s) that are not tensors where tensors are expected:"
-                f" {shown}{', ...' if len(not_tensors) > 5 else ''}. A module state dict maps parameter and buffer"
-                " names to tensors."
-            )
+        check_all_tensors(state_dict)
         self._specs = {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in state_dict.items()}
 
     def specs(self) -> Mapping[str, TensorSpec]:
@@ -358,8 +439,16 @@ def _check_index_matches(weight_map: Mapping[str, Path], file_of: Mapping[str, P
         )
 
 
-def open_index(path: Path, weights_only: bool) -> TensorSource:
-    """Open a Hugging Face sharded checkpoint from its ``*.index.json``."""
+def open_index(path: Path, weights_only: bool, materialize: bool = True) -> TensorSource:
+    """Open a Hugging Face sharded checkpoint from its ``*.index.json``.
+
+    Args:
+        path: The index file.
+        weights_only: Unpickle only tensors and plain containers.
+        materialize: Whether a shard whose tensors cannot be located by byte offset may be read whole; when
+            ``False`` such a shard raises ``_NotLocatable`` instead (the caller reads it in turns).
+
+    """
     weight_map = {name: path.parent / file for name, file in _read_index(path).items()}
     shard_formats = {file: _sniff_file(file) for file in sorted(set(weight_map.values()))}
     if all(fmt is CheckpointFormat.SAFETENSORS for fmt in shard_formats.values()):
@@ -368,13 +457,44 @@ def open_index(path: Path, weights_only: bool) -> TensorSource:
     for file, fmt in shard_formats.items():
         if fmt is CheckpointFormat.SAFETENSORS:
             sources.append(SafetensorsSource(file))
-        elif fmt in (CheckpointFormat.TORCH_ZIP, CheckpointFormat.TORCH_LEGACY):
-            sources.append(DictSource(_as_state_dict(load_torch_file(file, fmt, weights_only), file), lazy=fmt.lazy))
+        elif fmt is CheckpointFormat.TORCH_ZIP:
+            sources.append(DictSource(_as_state_dict(load_torch_file(file, fmt, weights_only), file), lazy=True))
+        elif fmt is CheckpointFormat.TORCH_LEGACY:
+            sources.append(open_legacy_file(file, weights_only, materialize))
         else:
             raise CheckpointLoadError(f"The shard {str(file)!r} of index {str(path)!r} is not a weights file.")
     merged = MergedSource(sources)
     _check_index_matches(weight_map, {name: file for name, file in _files_by_name(sources, shard_formats)})
     return merged
+
+
+def is_lazy(detected: DetectedCheckpoint, weights_only: bool = True) -> bool:
+    """Whether ranks can read only their own bytes of this checkpoint (reads the pickles of legacy files only)."""
+    files = detected.files if detected.format is CheckpointFormat.HF_INDEX else (detected.path,)
+    for file in files:
+        if not file.is_file() or _sniff_file(file) is not CheckpointFormat.TORCH_LEGACY:
+            continue
+        try:
+            content, offsets = read_legacy_layout(file, weights_only)
+            if not isinstance(content, Mapping) or not any(isinstance(v, torch.Tensor) for v in content.values()):
+                return False
+            ByteRangeSource.from_legacy_layout(
+                file, {k: v for k, v in content.items() if isinstance(v, torch.Tensor)}, offsets
+            )
+        except _NotLocatable:
+            return False
+    return True
+
+
+def open_legacy_file(path: Path, weights_only: bool, materialize: bool = True) -> TensorSource:
+    """A legacy-format state dict file, by byte ranges where its tensors can be located, else read whole."""
+    try:
+        content, offsets = read_legacy_layout(path, weights_only)
+        return ByteRangeSource.from_legacy_layout(path, _as_state_dict(content, path), offsets)
+    except _NotLocatable:
+        if not materialize:
+            raise
+    return DictSource(_as_state_dict(load_torch_file(path, CheckpointFormat.TORCH_LEGACY, weights_only), path), False)
 
 
 def _files_by_name(sources: list[TensorSource], shard_formats: Mapping[Path, CheckpointFormat]) -> Iterator:
@@ -415,14 +535,24 @@ class ByteRangeSource(TensorSource):
     @classmethod
     def from_zip_entries(cls, path: Path, tensors: Mapping[str, torch.Tensor]) -> "ByteRangeSource":
         """Locate tensors that ``torch.load(path, map_location="meta")`` returned (they carry their storage offset)."""
+        return cls._locate(path, tensors, lambda storage: getattr(storage, "_checkpoint_offset", None))
+
+    @classmethod
+    def from_legacy_layout(
+        cls, path: Path, tensors: Mapping[str, torch.Tensor], offsets: Mapping[int, int]
+    ) -> "ByteRangeSource":
+        """Locate tensors that :func:`read_legacy_layout` returned, with the storage offsets it found."""
+        return cls._locate(path, tensors, lambda storage: offsets.get(storage._cdata))
+
+    @classmethod
+    def _locate(
+        cls, path: Path, tensors: Mapping[str, torch.Tensor], storage_offset_of: Callable[[Any], int | None]
+    ) -> "ByteRangeSource":
         locations = {}
         for name, tensor in tensors.items():
-            storage_offset = getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+            storage_offset = storage_offset_of(tensor.untyped_storage())
             if storage_offset is None or not tensor.is_contiguous():
-                raise CheckpointLoadError(
-                    f"The tensor {name!r} in {str(path)!r} cannot be located in the file (a non-contiguous view, or a"
-                    " torch release that does not record storage offsets)."
-                )
+                raise _NotLocatable(f"the tensor {name!r} is a non-contiguous view or has no recorded offset")
             offset = storage_offset + tensor.storage_offset() * tensor.element_size()
             locations[name] = _TensorLocation(path, offset, TensorSpec(tuple(tensor.shape), tensor.dtype))
         return cls(locations)

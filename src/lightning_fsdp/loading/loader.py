@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -19,13 +20,17 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import (
+    ByteRangeSource,
     CheckpointFormat,
     DetectedCheckpoint,
     DictSource,
     SafetensorsSource,
     TensorSource,
+    _NotLocatable,
+    check_all_tensors,
     load_torch_file,
     open_index,
+    read_legacy_layout,
 )
 from lightning_fsdp.loading.optimizer import local_optimizer_state
 from lightning_fsdp.loading.progress import LoadProgress
@@ -303,7 +308,6 @@ def load_checkpoint_file(
 
     """
     collected = module_targets(request.module)
-    lazy = detected.format.lazy and not _has_legacy_shards(detected)
     total_bytes, total_tensors = _local_totals(collected)
     bar = LoadProgress(
         total_bytes, total_tensors, local_rank=ranks.local_rank, node_rank=ranks.node_rank, enabled=progress
@@ -317,10 +321,13 @@ def load_checkpoint_file(
         description=f"Loading {str(detected.path)!r}",
     )
     with bar, stagger:
-        if lazy or collected is None:
+        opened = _open_without_materializing(detected, request)
+        if opened is not None or collected is None:
             # Every rank validates before any rank writes, so a failure anywhere leaves every model untouched. The
             # fallback path (collected is None) runs collectives, which must never run inside a turn.
-            opened = open_checkpoint(detected, request.module_key, request.weights_only)
+            if opened is None:
+                _warn_fallback("a source that must be read whole is read by every rank of the node at once")
+                opened = open_checkpoint(detected, request.module_key, request.weights_only)
             prepared = prepare_load(request, opened, collected)
             stagger.agree_on_success()
             apply_load(request, prepared, ranks.world_size, on_tensor=bar.update)
@@ -328,6 +335,45 @@ def load_checkpoint_file(
             return LoadResult(metadata, remainder, prepared.plan, opened.raw)
         with stagger.turn(source_bytes=detected.nbytes):
             return _load_whole_in_turn(request, detected, collected, ranks, bar)
+
+
+def _open_without_materializing(detected: DetectedCheckpoint, request: LoadRequest) -> _Opened | None:
+    """Open the checkpoint so that ranks read only their own bytes, or return ``None`` if it must be read whole."""
+    if detected.format is CheckpointFormat.TORCH_LEGACY:
+        return open_legacy_by_byte_ranges(detected.path, request.module_key, request.weights_only)
+    if detected.format is CheckpointFormat.HF_INDEX:
+        try:
+            return _Opened(open_index(detected.path, request.weights_only, materialize=False), {}, raw=True)
+        except _NotLocatable:
+            return None
+    return open_checkpoint(detected, request.module_key, request.weights_only)
+
+
+def open_legacy_by_byte_ranges(path: Path, module_key: str | None, weights_only: bool) -> _Opened | None:
+    """Open a legacy-format raw state dict by byte ranges; ``None`` for files that must be read whole.
+
+    A Fabric checkpoint in the legacy format is read whole (its optimizer state and metadata are used as tensors),
+    and so is a file whose tensors cannot be located (storage views, non-contiguous tensors).
+
+    """
+    try:
+        content, offsets = read_legacy_layout(path, weights_only)
+    except _NotLocatable:
+        return None
+    if not isinstance(content, Mapping):
+        raise CheckpointLoadError(
+            f"The file {str(path)!r} holds a {type(content).__name__}, not a state dict or a Fabric checkpoint (both"
+            " are dicts)."
+        )
+    if module_key is not None and isinstance(content.get(module_key), Mapping):
+        return None
+    if content and not any(isinstance(value, Tensor) for value in content.values()):
+        return None  # not a raw state dict: `open_checkpoint` names what it is
+    check_all_tensors(content)
+    try:
+        return _Opened(ByteRangeSource.from_legacy_layout(path, content, offsets), {}, raw=True)
+    except _NotLocatable:
+        return None
 
 
 def _load_whole_in_turn(
@@ -344,14 +390,6 @@ def _load_whole_in_turn(
         return LoadResult(metadata, remainder, prepared.plan, opened.raw)
     finally:
         release(prepared)
-
-
-def _has_legacy_shards(detected: DetectedCheckpoint) -> bool:
-    if detected.format is not CheckpointFormat.HF_INDEX:
-        return False
-    from lightning_fsdp.loading.formats import _sniff_file
-
-    return any(_sniff_file(file) is CheckpointFormat.TORCH_LEGACY for file in detected.files)
 
 
 def _local_totals(collected: ModuleTargets | None) -> tuple[int, int]:

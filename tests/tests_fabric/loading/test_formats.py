@@ -138,3 +138,30 @@ def test_fabric_checkpoint_and_raw_file_told_apart(tmp_path, state_dict):
         open_checkpoint(detect_checkpoint(tmp_path / "fabric.ckpt"), module_key=None, weights_only=True)
     with pytest.raises(CheckpointLoadError, match=r"no entry 'net' for the model.*'model', 'step'"):
         open_checkpoint(detect_checkpoint(tmp_path / "fabric.ckpt"), module_key="net", weights_only=True)
+
+
+def test_legacy_raw_file_is_read_by_byte_ranges(tmp_path, state_dict):
+    from lightning_fsdp.loading.formats import ByteRangeSource
+    from lightning_fsdp.loading.loader import open_legacy_by_byte_ranges
+
+    path = write_checkpoint(state_dict, tmp_path, "torch-legacy")
+    opened = open_legacy_by_byte_ranges(path, module_key="model", weights_only=True)
+    assert isinstance(opened.source, ByteRangeSource)
+    for name, tensor in state_dict.items():
+        assert torch.equal(opened.source.read(name), tensor)
+        assert torch.equal(opened.source.read_flat(name, 1, 3), tensor.reshape(-1)[1:3])
+
+
+def test_legacy_files_that_must_be_read_whole(tmp_path, state_dict):
+    from lightning_fsdp.loading.loader import open_legacy_by_byte_ranges
+
+    # A non-contiguous tensor (a transposed view) cannot be read as one byte range.
+    transposed = dict(state_dict, **{"head.weight": state_dict["head.weight"].t().contiguous().t()})
+    torch.save(transposed, tmp_path / "view.pth", _use_new_zipfile_serialization=False)
+    assert open_legacy_by_byte_ranges(tmp_path / "view.pth", module_key=None, weights_only=True) is None
+    # A Fabric checkpoint's other entries (optimizer state) are used as tensors: read whole.
+    torch.save({"model": state_dict}, tmp_path / "fabric.ckpt", _use_new_zipfile_serialization=False)
+    assert open_legacy_by_byte_ranges(tmp_path / "fabric.ckpt", module_key="model", weights_only=True) is None
+    # Both still load, read whole.
+    opened = open_checkpoint(detect_checkpoint(tmp_path / "view.pth"), module_key=None, weights_only=True)
+    assert torch.equal(opened.source.read("head.weight"), state_dict["head.weight"])
