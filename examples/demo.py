@@ -1,9 +1,10 @@
 """Demo: load a consolidated checkpoint that Fabric did not write into an FSDP model sharded over CPU ranks.
 
 It writes a raw module state dict (like lit-llama's ``lit-llama.pth``) in torch's zip format and in the legacy
-format, launches several CPU ranks (gloo), creates the model on the meta device, shards it, and loads each file with
-``fabric.load(path, {"model": model})``: the zip file shard-locally through ``mmap``, the legacy file in node turns
-(one rank at a time). Each rank samples its own memory while loading; the table shows the peak above the model's
+format, and a Fabric checkpoint in the legacy format; launches several CPU ranks (gloo), creates the model on the meta
+device, shards it, and loads each file with ``fabric.load(path, {"model": model})``: the zip file shard-locally
+through ``mmap``, the legacy raw file by byte ranges, and the legacy Fabric checkpoint (which is read whole) in node
+turns, one rank at a time. Each rank samples its own memory while loading; the table shows the peak above the model's
 base, and a checksum shows the weights are the file's. Then it trains a step, saves a sharded checkpoint and reloads.
 
 Run it with ``make demo`` (or ``python examples/demo.py --devices 4 --width 1024 --depth 8``).
@@ -116,6 +117,7 @@ def main() -> None:
 
     workdir = Path(args.workdir)
     zip_path, legacy_path = workdir / "lit-llama.pth", workdir / "lit-llama-legacy.pth"
+    legacy_fabric_path = workdir / "fabric-legacy.ckpt"
     strategy = FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=1)
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
@@ -126,6 +128,7 @@ def main() -> None:
         state_dict = Model(args.width, args.depth).state_dict()
         torch.save(state_dict, zip_path)
         torch.save(state_dict, legacy_path, _use_new_zipfile_serialization=False)
+        torch.save({"model": state_dict}, legacy_fabric_path, _use_new_zipfile_serialization=False)
         expected_checksum = sum(t.double().sum() for t in state_dict.values()).item()
         del state_dict
     else:
@@ -139,7 +142,12 @@ def main() -> None:
     model = fabric.setup_module(model)
 
     rows = []
-    for label, path in (("zip, shard-local via mmap", zip_path), ("legacy, turns with k=1", legacy_path)):
+    files = (
+        ("raw zip, mmap", zip_path),
+        ("raw legacy, byte ranges", legacy_path),
+        ("Fabric legacy, turns k=1", legacy_fabric_path),
+    )
+    for label, path in files:
         seconds, every_rank, checksum = _load_and_measure(fabric, path, model)
         assert abs(checksum - expected_checksum) <= 1e-6 * abs(expected_checksum), (checksum, expected_checksum)
         rows.append((label, seconds, *_peaks(every_rank)))
