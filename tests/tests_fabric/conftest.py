@@ -3,28 +3,14 @@ import os
 import pytest
 import torch.distributed
 
+from tests.tests_fabric.helpers.env import LAUNCHER_VARIABLES
+
 # Variables that launchers, cluster environments and Fabric itself set. A test that leaks one of them changes how
 # every following test detects its environment, so they are restored after each test.
-_ENV_VARS_TO_RESTORE = (
-    "CUDA_VISIBLE_DEVICES",
-    "GROUP_RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NODE_RANK",
-    "PL_GLOBAL_SEED",
-    "PL_SEED_WORKERS",
-    "RANK",
-    "ROLE_RANK",
-    "SLURM_JOB_NAME",
-    "SLURM_LOCALID",
-    "SLURM_NODEID",
-    "SLURM_NTASKS",
-    "SLURM_NTASKS_PER_NODE",
-    "SLURM_PROCID",
-    "TORCHELASTIC_RUN_ID",
-    "WORLD_SIZE",
+_ENV_VARS_TO_RESTORE = sorted(
+    LAUNCHER_VARIABLES
+    | {"CUDA_VISIBLE_DEVICES", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHELASTIC_RUN_ID"}
+    | {"SLURM_JOB_NAME", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_PROCID"}
 )
 
 

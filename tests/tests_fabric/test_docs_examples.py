@@ -20,25 +20,13 @@ from pathlib import Path
 import pytest
 
 import lightning_fsdp
+from tests.tests_fabric.helpers.env import without_launcher_variables
 
 _DOCS = Path(__file__).resolve().parents[2] / "docs" / "source-fabric"
 _EXAMPLES = sorted((_DOCS / "examples").glob("*.py"))
 _EXPECT = re.compile(r"^# expect: (.+?)\s*$", re.MULTILINE)
 _TIMEOUT = 180.0  # seconds; each example takes a few seconds, but the CI machine may be shared
 
-# What a launcher, a cluster scheduler or an enclosing test may have set: an example must not inherit any of it.
-_LAUNCHER_VARIABLES = {
-    "GROUP_RANK",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "NODE_RANK",
-    "RANK",
-    "ROLE_RANK",
-    "WORLD_SIZE",
-}
-_LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "PL_", "LT_", "OMPI_", "PMI_", "LSB_", "JSM_")
 
 # Python in a page must come from an executed file: `.. code-block:: python` (rst) or ```python (MyST) is refused.
 _INLINE_PYTHON = re.compile(
@@ -49,11 +37,7 @@ _INLINE_PYTHON = re.compile(
 
 
 def _clean_env() -> dict[str, str]:
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if name not in _LAUNCHER_VARIABLES and not name.startswith(_LAUNCHER_PREFIXES)
-    }
+    env = without_launcher_variables()  # an example must not inherit what a launcher or an enclosing test set
     # Run the examples against the same copy of the package that this test session imports.
     package_root = str(Path(lightning_fsdp.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))

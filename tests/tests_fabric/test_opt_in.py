@@ -13,6 +13,7 @@ from lightning.fabric.strategies import FSDPStrategy as UpstreamFSDPStrategy
 
 import lightning_fsdp
 from lightning_fsdp import FSDPStrategy
+from tests.tests_fabric.helpers.env import without_launcher_variables
 
 _SCRIPT = Path(__file__).parent / "scripts" / "downstream_script.py"
 
@@ -50,7 +51,7 @@ def test_enable_is_idempotent_and_reversible():
 
 
 def _run_script(checkpoint: Path, *flags: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    env = without_launcher_variables()
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, str(_SCRIPT), str(checkpoint), *flags],
