@@ -4,6 +4,7 @@ A Fabric checkpoint in the legacy format is read whole (its optimizer state and 
 state dict in the legacy format is read by byte ranges, like a zip file, and needs no turns.
 """
 
+import ctypes
 import itertools
 import time
 from datetime import timedelta
@@ -16,6 +17,7 @@ from lightning_fsdp.loading import loader
 from tests.tests_fabric.helpers.checkpoints import write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, TinyTransformer
+from tests.tests_fabric.helpers.runif import RunIf
 from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
 
 
@@ -146,3 +148,43 @@ def test_raw_legacy_file_is_read_by_byte_ranges_without_turns(tmp_path):
     torch.save(state_dict, tmp_path / "expected.pt")
     path = write_checkpoint(state_dict, tmp_path, "torch-legacy")
     assert run_distributed(_raw_legacy_without_turns, str(path), str(tmp_path / "expected.pt"), devices=2) == [0, 0]
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field}")
+
+
+def _load_and_measure(path: str) -> tuple[int, int]:
+    """This rank's peak resident memory during the load and what it still holds after, both above its base."""
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=1))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = TinyTransformer(width=512, depth=4)  # 3 MiB tensors: glibc serves them from its heap, not mmap
+    model = fabric.setup_module(model)
+    fabric.barrier()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the base must not hold freed heap memory that the load could reuse
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets the peak resident set size (VmHWM) to the current one
+    base_rss, base_anonymous = _status_kib("VmRSS"), _status_kib("RssAnon")
+    fabric.load(path, {"model": model})
+    return _status_kib("VmHWM") - base_rss, _status_kib("RssAnon") - base_anonymous
+
+
+@RunIf(linux_only=True)
+def test_each_turn_returns_its_memory(tmp_path):
+    """With k=1, each rank holds a copy of a source read whole during its turn, and gives it back when it ends.
+
+    Tensors this small come from glibc's heap, which keeps freed memory unless the turn hands it back: a rank would
+    then hold a copy after its turn, and the next rank's copy would come on top of it.
+    """
+    torch.manual_seed(0)
+    path = tmp_path / "legacy.ckpt"
+    torch.save({"model": TinyTransformer(width=512, depth=4).state_dict()}, path, _use_new_zipfile_serialization=False)
+    file_kib = path.stat().st_size // 1024
+    for peak_kib, kept_kib in run_distributed(_load_and_measure, str(path), devices=2):
+        assert peak_kib >= 0.8 * file_kib, f"a rank's peak grew by {peak_kib} KiB only, for a {file_kib} KiB file"
+        assert kept_kib <= 0.25 * file_kib, f"a rank kept {kept_kib} KiB after its turn, for a {file_kib} KiB file"

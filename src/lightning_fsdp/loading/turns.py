@@ -11,6 +11,7 @@ that fails tells the others through the store, so that they stop waiting within 
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
+import ctypes
 import gc
 import json
 import math
@@ -264,9 +265,12 @@ class StaggeredLoad:
                     self._publish(error)
                 raise
         finally:
-            # Before the next rank of the node comes in (if one still waits), free what reference cycles still hold.
+            # Before the next rank of the node comes in (if one still waits), free what reference cycles still hold
+            # and give the freed memory back to the system.
             if started and self._ranks_still_waiting(node, concurrency):
                 gc.collect()
+            if started:
+                _return_freed_memory()
             if self._progress is not None:
                 self._progress.refresh(force=True)
             left = int(_store_op(self._description, node.add, "done", 1))
@@ -494,6 +498,18 @@ class _StoreNodeChannel:
         if ranks < self._local_world_size:  # the node's totals are known once every rank has added its own
             total_bytes = total_tensors = 0
         return _NodeSnapshot(done_bytes, done_tensors, total_bytes, total_tensors, turn)
+
+
+def _return_freed_memory() -> None:
+    """Return the heap memory that freed tensors leave behind to the system (glibc only; elsewhere a no-op).
+
+    Tensors below glibc's mmap threshold (up to 32 MiB) come from the heap, and glibc keeps freed heap memory for
+    reuse: without this, a rank would still hold most of a materialised source after its turn, and the next rank's
+    copy would come on top of it.
+
+    """
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _turn_of(local_rank: int, local_world_size: int, concurrency: int) -> Turn:
