@@ -128,3 +128,35 @@ def test_full_checkpoint_loads_bit_exact_and_resumes_cuda(tmp_path):
         _run_configs, 2, 1, str(tmp_path), names, "cuda", devices=2, start_method="spawn", timeout=600
     )
     assert results == [names] * 2
+
+
+def _load_while_unsharded(path: str, expected_path: str) -> str:
+    import warnings
+
+    strategy = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="SHARD_GRAD_OP")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = TinyTransformer()
+    model = fabric.setup_module(model)
+    with torch.no_grad():
+        model(make_batch(0)[0])  # SHARD_GRAD_OP keeps the units unsharded after a forward without backward
+    loader._warned_fallbacks.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load(path, {"model": model})
+    assert_same_state(gather_full_state(model)["model"], torch.load(expected_path, weights_only=True))
+    return " ".join(str(warning.message) for warning in caught)
+
+
+def test_falls_back_to_fsdp_state_dict_loading_with_one_warning(tmp_path):
+    """Where the shard-local path cannot serve (here: units unsharded after an eval forward), FSDP's own serves."""
+    torch.manual_seed(0)
+    state_dict = TinyTransformer().state_dict()
+    torch.save(state_dict, tmp_path / "model.pth")
+    messages = run_distributed(
+        _load_while_unsharded, str(tmp_path / "model.pth"), str(tmp_path / "model.pth"), devices=2
+    )
+    assert "cannot load this checkpoint shard-locally" in messages[0]
+    assert "holds an unsharded copy of its parameters" in messages[0]
+    assert "shard-locally" not in messages[1]  # the warning is rank 0's only

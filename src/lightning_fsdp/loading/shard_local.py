@@ -135,9 +135,14 @@ def _flat_param_targets(
     local_shard = getattr(flat_param, "_local_shard", None)
     if local_shard is None:  # FSDP creates `_local_shard` lazily, at the first forward; until then `data` is the shard
         local_shard = flat_param.data
-    elif flat_param.data.data_ptr() != local_shard.data_ptr():
+    elif flat_param.data.data_ptr() != local_shard.data_ptr() or (
+        handle.uses_sharded_strategy and not handle.needs_unshard()
+    ):
+        # FSDP would reuse its unsharded copy (SHARD_GRAD_OP keeps it after a forward without backward) instead of
+        # gathering the shards again, and never see what is written into them.
         raise ShardLocalUnsupported(
-            f"the FSDP unit {prefix or '<root>'!r} is unsharded at the moment (load outside forward and backward)"
+            f"the FSDP unit {prefix or '<root>'!r} holds an unsharded copy of its parameters at the moment (after a"
+            " forward without backward, or inside forward and backward)"
         )
     orig_params = getattr(flat_param, "_params", None)  # set with `use_orig_params=True`
     unit_targets: list[Target] = []
