@@ -46,7 +46,7 @@ from lightning_fsdp.devices import (
 )
 from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint
 from lightning_fsdp.loading.loader import LoadRequest, RankInfo, load_checkpoint_file
-from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint, stored_entries
+from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint
 from lightning_fsdp.loading.turns import StaggeredLoad, validate_concurrency
 
 
@@ -222,12 +222,7 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             )
         path = Path(self.broadcast(path))
         ranks = self._rank_info()
-        with StaggeredLoad(
-            node_rank=ranks.node_rank,
-            local_rank=ranks.local_rank,
-            local_world_size=ranks.local_world_size,
-            description=f"Reading {str(path)!r}",
-        ):  # a path that some rank cannot read fails on every rank
+        with _agreement(ranks, f"Reading {str(path)!r}"):  # a path that some rank cannot read fails on every rank
             detected = detect_checkpoint(path)
         safe = weights_only is not False
 
@@ -241,15 +236,10 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
         if detected.format is CheckpointFormat.FABRIC_SHARDED:
             key = module_key or "model"
-            with StaggeredLoad(
-                node_rank=ranks.node_rank,
-                local_rank=ranks.local_rank,
-                local_world_size=ranks.local_world_size,
-                description=f"Loading {str(path)!r}",
-            ) as agreement:
-                metadata = check_sharded_request(path, key, list(optimizers), metadata_keys, strict, safe)
+            with _agreement(ranks, f"Loading {str(path)!r}") as agreement:
+                metadata, stored = check_sharded_request(path, key, list(optimizers), metadata_keys, strict, safe)
                 agreement.agree_on_success()  # before the collectives of the distributed checkpoint reader
-                present = {k: optimizer for k, optimizer in optimizers.items() if strict or k in stored_entries(path)}
+                present = {k: optimizer for k, optimizer in optimizers.items() if k in stored}
                 load_sharded_checkpoint(path, module, key, present, strict)
             if isinstance(state, Module):
                 return {}
@@ -287,18 +277,14 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         }
 
 
-def _agreed(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on every rank; if it fails on any rank, raise the same error on every rank."""
-    from lightning_fsdp.loading.turns import agree_on_success
-
-    error: BaseException | None = None
-    result = None
-    try:
-        result = fn()
-    except Exception as exception:
-        error = exception
-    agree_on_success(error)
-    return result
+def _agreement(ranks: RankInfo, description: str) -> StaggeredLoad:
+    """A block after which every rank returns, or every rank raises the same error (no turns are taken in it)."""
+    return StaggeredLoad(
+        node_rank=ranks.node_rank,
+        local_rank=ranks.local_rank,
+        local_world_size=ranks.local_world_size,
+        description=description,
+    )
 
 
 def _fsdp_module_key(state: dict[str, Any]) -> str:

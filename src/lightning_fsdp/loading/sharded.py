@@ -26,11 +26,11 @@ def check_sharded_request(
     metadata_keys: Iterable[str],
     strict: bool,
     weights_only: bool,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], set[str]]:
     """Check that the checkpoint holds what the caller asks for, before anything is read into the model.
 
     Returns:
-        The user's metadata (``meta.pt``).
+        The user's metadata (``meta.pt``), and the top-level keys whose tensors the checkpoint holds.
 
     Raises:
         CheckpointLoadError: If the model's entry is missing, or (with ``strict=True``) a requested optimizer or key.
@@ -57,7 +57,7 @@ def check_sharded_request(
             f"The sharded checkpoint has no entry {', '.join(repr(k) for k in absent)} that the state asks for. Its"
             f" entries are {entries}. To load what is there, pass `strict=False`."
         )
-    return metadata
+    return metadata, stored
 
 
 def stored_entries(path: Path) -> set[str]:
