@@ -37,6 +37,7 @@ from lightning_fsdp.loading.formats import (
     _NotLocatable,
     _read_index,
     _sniff_file,
+    as_mapping,
     check_all_tensors,
     detect_checkpoint,
     is_lazy,
@@ -81,9 +82,7 @@ def describe_checkpoint(path: str | Path, weights_only: bool = True) -> Checkpoi
         specs, top_level = _sharded_specs(detected.path, weights_only)
         kind = "sharded checkpoint"
     elif detected.format in (CheckpointFormat.TORCH_ZIP, CheckpointFormat.TORCH_LEGACY):
-        content = load_torch_file(detected.path, detected.format, weights_only, map_location="meta")
-        if not isinstance(content, Mapping):
-            raise CheckpointLoadError(f"The file {str(detected.path)!r} holds a {type(content).__name__}, not a dict.")
+        content = as_mapping(load_torch_file(detected.path, detected.format, weights_only, "meta"), detected.path)
         specs = {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in _walk_tensors(content)}
         top_level = [str(key) for key in content]
         is_raw = any(isinstance(value, torch.Tensor) for value in content.values())
@@ -202,9 +201,7 @@ def _streaming_source(
             content = load_torch_file(detected.path, detected.format, weights_only)
     else:
         content = load_torch_file(detected.path, detected.format, weights_only, map_location="meta")
-    content_structure = content
-    if not isinstance(content, Mapping):
-        raise CheckpointLoadError(f"The file {str(detected.path)!r} holds a {type(content).__name__}, not a dict.")
+    content = content_structure = as_mapping(content, detected.path)
     metadata: dict[str, Any] = {}
     skipped: list[str] = []
     module_entry = content.get(module_key) if module_key is not None else None

@@ -458,7 +458,7 @@ def open_index(path: Path, weights_only: bool, materialize: bool = True) -> Tens
         if fmt is CheckpointFormat.SAFETENSORS:
             sources.append(SafetensorsSource(file))
         elif fmt is CheckpointFormat.TORCH_ZIP:
-            sources.append(DictSource(_as_state_dict(load_torch_file(file, fmt, weights_only), file), lazy=True))
+            sources.append(DictSource(as_mapping(load_torch_file(file, fmt, weights_only), file), lazy=True))
         elif fmt is CheckpointFormat.TORCH_LEGACY:
             sources.append(open_legacy_file(file, weights_only, materialize))
         else:
@@ -490,11 +490,11 @@ def open_legacy_file(path: Path, weights_only: bool, materialize: bool = True) -
     """A legacy-format state dict file, by byte ranges where its tensors can be located, else read whole."""
     try:
         content, offsets = read_legacy_layout(path, weights_only)
-        return ByteRangeSource.from_legacy_layout(path, _as_state_dict(content, path), offsets)
+        return ByteRangeSource.from_legacy_layout(path, as_mapping(content, path), offsets)
     except _NotLocatable:
         if not materialize:
             raise
-    return DictSource(_as_state_dict(load_torch_file(path, CheckpointFormat.TORCH_LEGACY, weights_only), path), False)
+    return DictSource(as_mapping(load_torch_file(path, CheckpointFormat.TORCH_LEGACY, weights_only), path), False)
 
 
 def _files_by_name(sources: list[TensorSource], shard_formats: Mapping[Path, CheckpointFormat]) -> Iterator:
@@ -503,10 +503,12 @@ def _files_by_name(sources: list[TensorSource], shard_formats: Mapping[Path, Che
             yield name, file
 
 
-def _as_state_dict(obj: Any, path: Path) -> Mapping[str, Any]:
+def as_mapping(obj: Any, path: Path) -> Mapping[str, Any]:
+    """Return what a checkpoint file holds, or raise if it is not a dict (neither a state dict nor a checkpoint)."""
     if not isinstance(obj, Mapping):
         raise CheckpointLoadError(
-            f"The file {str(path)!r} holds a {type(obj).__name__}, not a state dict (a dict of tensors)."
+            f"The file {str(path)!r} holds a {type(obj).__name__}, not a state dict or a Fabric checkpoint (both are"
+            " dicts)."
         )
     return obj
 

@@ -27,6 +27,7 @@ from lightning_fsdp.loading.formats import (
     SafetensorsSource,
     TensorSource,
     _NotLocatable,
+    as_mapping,
     check_all_tensors,
     load_torch_file,
     open_index,
@@ -99,12 +100,7 @@ def open_checkpoint(detected: DetectedCheckpoint, module_key: str | None, weight
     if detected.format is CheckpointFormat.FABRIC_SHARDED:
         raise ValueError("A sharded checkpoint is loaded with `load_sharded_checkpoint`")
     lazy = detected.format.lazy
-    content = load_torch_file(detected.path, detected.format, weights_only)
-    if not isinstance(content, Mapping):
-        raise CheckpointLoadError(
-            f"The file {str(detected.path)!r} holds a {type(content).__name__}, not a state dict or a Fabric"
-            " checkpoint (both are dicts)."
-        )
+    content = as_mapping(load_torch_file(detected.path, detected.format, weights_only), detected.path)
     module_entry = content.get(module_key) if module_key is not None else None
     if isinstance(module_entry, Mapping):
         entries = {key: value for key, value in content.items() if key != module_key}
@@ -360,11 +356,7 @@ def open_legacy_by_byte_ranges(path: Path, module_key: str | None, weights_only:
         content, offsets = read_legacy_layout(path, weights_only)
     except _NotLocatable:
         return None
-    if not isinstance(content, Mapping):
-        raise CheckpointLoadError(
-            f"The file {str(path)!r} holds a {type(content).__name__}, not a state dict or a Fabric checkpoint (both"
-            " are dicts)."
-        )
+    content = as_mapping(content, path)
     if module_key is not None and isinstance(content.get(module_key), Mapping):
         return None
     if content and not any(isinstance(value, Tensor) for value in content.values()):
