@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.strategies.fsdp import _has_fsdp_modules
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -217,7 +218,7 @@ def _unsharded_specs(module: Module) -> list[TargetSpec]:
 
     specs = []
     # Only on the fallback path: FSDP1 units this path does not know are unsharded to read their full shapes.
-    with FSDP.summon_full_params(module, writeback=False) if _is_fsdp(module) else nullcontext():
+    with FSDP.summon_full_params(module, writeback=False) if _has_fsdp_modules(module) else nullcontext():
         for name, tensor in module.state_dict(keep_vars=True).items():
             specs.append(TargetSpec((name,), tuple(tensor.shape), tensor.dtype))
     return specs
@@ -262,12 +263,6 @@ def _materialize(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(_materialize(value) for value in obj)
     return obj
-
-
-def _is_fsdp(module: Module) -> bool:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    return any(isinstance(m, FSDP) for m in module.modules())
 
 
 @dataclass(frozen=True)
