@@ -37,13 +37,26 @@ def _record_materialized_intervals(intervals: list) -> None:
     loader.load_torch_file, loader.release = timed_read, timed_release
 
 
-def _load_in_turns(path: str, expected_path: str, concurrency: int, num_nodes: int) -> tuple:
-    strategy = FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=concurrency, timeout=timedelta(seconds=2))
-    fabric = Fabric(accelerator="cpu", devices=2, num_nodes=num_nodes, strategy=strategy)
+def _launch(devices: int, num_nodes: int = 1, **strategy_kwargs) -> Fabric:
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=FSDPStrategy(auto_wrap_policy={Block}, **strategy_kwargs),
+    )
     fabric.launch()
+    return fabric
+
+
+def _sharded_model(fabric: Fabric, **model_kwargs) -> torch.nn.Module:
     with fabric.init_module(empty_init=True):
-        model = TinyTransformer()
-    model = fabric.setup_module(model)
+        model = TinyTransformer(**model_kwargs)
+    return fabric.setup_module(model)
+
+
+def _load_in_turns(path: str, expected_path: str, concurrency: int, num_nodes: int) -> tuple:
+    fabric = _launch(devices=2, num_nodes=num_nodes, load_concurrency=concurrency, timeout=timedelta(seconds=2))
+    model = _sharded_model(fabric)
     intervals: list = []
     _record_materialized_intervals(intervals)
     # Each rank holds the copy for 0.3 s plus its reading; with k=1 the last of 2 ranks waits longer than the 2 s
@@ -88,12 +101,9 @@ def test_legacy_file_with_all_ranks_at_once(tmp_path):
 
 
 def _one_rank_fails(paths: dict[str, str]) -> dict[str, tuple[str, float, bool]]:
-    fabric = Fabric(accelerator="cpu", devices=4, strategy=FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=1))
-    fabric.launch()
-    with fabric.init_module(empty_init=True):
-        # Rank 2's model differs from the checkpoint, as if it ran a different config: only it fails validation.
-        model = TinyTransformer(vocab=41 if fabric.global_rank == 2 else 37)
-    model = fabric.setup_module(model)
+    fabric = _launch(devices=4, load_concurrency=1)
+    # Rank 2's model differs from the checkpoint, as if it ran a different config: only it fails validation.
+    model = _sharded_model(fabric, vocab=41 if fabric.global_rank == 2 else 37)
     # Local shards only: a full state dict would need collectives, which a rank with another model cannot join.
     before = [tensor.detach().clone() for tensor in model.parameters()]
     outcomes = {}
@@ -129,11 +139,8 @@ def test_a_failing_rank_makes_every_rank_raise_promptly(tmp_path):
 
 
 def _raw_legacy_without_turns(path: str, expected_path: str) -> int:
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=1))
-    fabric.launch()
-    with fabric.init_module(empty_init=True):
-        model = TinyTransformer()
-    model = fabric.setup_module(model)
+    fabric = _launch(devices=2, load_concurrency=1)
+    model = _sharded_model(fabric)
     intervals: list = []
     _record_materialized_intervals(intervals)
     fabric.load(path, {"model": model})
@@ -160,11 +167,8 @@ def _status_kib(field: str) -> int:
 
 def _load_and_measure(path: str) -> tuple[int, int]:
     """This rank's peak resident memory during the load and what it still holds after, both above its base."""
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=1))
-    fabric.launch()
-    with fabric.init_module(empty_init=True):
-        model = TinyTransformer(width=512, depth=4)  # 3 MiB tensors: glibc serves them from its heap, not mmap
-    model = fabric.setup_module(model)
+    fabric = _launch(devices=2, load_concurrency=1)
+    model = _sharded_model(fabric, width=512, depth=4)  # 3 MiB tensors: glibc serves them from its heap, not mmap
     fabric.barrier()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # the base must not hold freed heap memory that the load could reuse
     with open("/proc/self/clear_refs", "w") as clear_refs:
