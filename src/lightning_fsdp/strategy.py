@@ -44,10 +44,8 @@ from lightning_fsdp.devices import (
     _check_placement,
     _own_cuda_device,
 )
-from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint
-from lightning_fsdp.loading.loader import LoadRequest, RankInfo, load_checkpoint_file
-from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint
-from lightning_fsdp.loading.turns import StaggeredLoad, validate_concurrency
+from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, RankInfo, load
+from lightning_fsdp.loading.turns import validate_concurrency
 
 
 class FSDPStrategy(_UpstreamFSDPStrategy):
@@ -220,47 +218,27 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 "Loading a single optimizer object from a checkpoint is not supported yet with the FSDP strategy."
                 " Load it together with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
             )
-        path = Path(self.broadcast(path))
-        ranks = self._rank_info()
-        with _agreement(ranks, f"Reading {str(path)!r}"):  # a path that some rank cannot read fails on every rank
-            detected = detect_checkpoint(path)
-        safe = weights_only is not False
-
         if isinstance(state, Module):
-            module_key, module, optimizers, metadata_keys = None, state, {}, frozenset()
+            request = LoadRequest(state, None, strict=strict, weights_only=weights_only is not False)
         else:
             module_key = _fsdp_module_key(state)
-            module = state[module_key]
             optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
             metadata_keys = frozenset(state) - {module_key} - set(optimizers)
-
-        if detected.format is CheckpointFormat.FABRIC_SHARDED:
-            key = module_key or "model"
-            with _agreement(ranks, f"Loading {str(path)!r}") as agreement:
-                metadata, stored = check_sharded_request(path, key, list(optimizers), metadata_keys, strict, safe)
-                agreement.agree_on_success()  # before the collectives of the distributed checkpoint reader
-                present = {k: optimizer for k, optimizer in optimizers.items() if k in stored}
-                load_sharded_checkpoint(path, module, key, present, strict)
-            if isinstance(state, Module):
-                return {}
-            _move_state_into(source=metadata, destination=state, keys=metadata_keys)
-            return metadata
-
-        request = LoadRequest(module, module_key, optimizers, metadata_keys, strict=strict, weights_only=safe)
-        result = load_checkpoint_file(
-            request, detected, ranks, concurrency=self.load_concurrency, progress=None if self.load_progress else False
-        )
-        skipped = result.plan.skipped_summary()
-        if skipped:
-            rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {skipped}.")
+            request = LoadRequest(
+                state[module_key], module_key, optimizers, metadata_keys, strict, weights_only is not False
+            )
+        path = Path(self.broadcast(path))
+        options = LoadOptions(self.load_concurrency, progress=None if self.load_progress else False)
+        result = load(path, request, self._rank_info(), options)
+        if result.skipped:
+            rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {result.skipped}.")
         if isinstance(state, Module):
             return {}
-        _move_state_into(source=result.metadata, destination=state, keys=metadata_keys)
+        _move_state_into(source=result.metadata, destination=state, keys=request.metadata_keys)
         return result.remainder
 
     def _rank_info(self) -> RankInfo:
         return RankInfo(
-            global_rank=self.global_rank,
             world_size=self.world_size,
             node_rank=self.node_rank,
             local_rank=self.local_rank,
@@ -275,16 +253,6 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             "device_id": self.root_device,
             **self._fsdp_kwargs,
         }
-
-
-def _agreement(ranks: RankInfo, description: str) -> StaggeredLoad:
-    """A block after which every rank returns, or every rank raises the same error (no turns are taken in it)."""
-    return StaggeredLoad(
-        node_rank=ranks.node_rank,
-        local_rank=ranks.local_rank,
-        local_world_size=ranks.local_world_size,
-        description=description,
-    )
 
 
 def _fsdp_module_key(state: dict[str, Any]) -> str:

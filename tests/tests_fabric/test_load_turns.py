@@ -1,7 +1,7 @@
 """Sources that must be read whole are loaded in node turns; failures reach every rank.
 
-A Fabric checkpoint in the legacy format is read whole (its optimizer state and metadata are used as tensors); a raw
-state dict in the legacy format is read by byte ranges, like a zip file, and needs no turns.
+A file loaded with `weights_only=False` may hold any object, so it is read whole, in turns; with the default
+`weights_only=True` every format, the legacy one included, is read by byte ranges and needs no turns.
 """
 
 import ctypes
@@ -13,7 +13,7 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_fsdp import CheckpointLoadError, FSDPStrategy
-from lightning_fsdp.loading import loader
+from lightning_fsdp.loading import formats
 from tests.tests_fabric.helpers.checkpoints import write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, TinyTransformer
@@ -22,19 +22,20 @@ from tests.tests_fabric.helpers.state import assert_same_state, gather_full_stat
 
 
 def _record_materialized_intervals(intervals: list) -> None:
-    """Wrap the loader's own reading and releasing (not a mock: the real functions run) to time each rank's copy."""
-    read, release = loader.load_torch_file, loader.release
+    """Wrap the loader's own reading and closing (not a mock: the real functions run) to time each rank's copy."""
+    read, close = formats.load_torch_file, formats.OpenedCheckpoint.close
 
     def timed_read(*args, **kwargs):
         intervals.append([time.monotonic(), None])
         time.sleep(0.3)  # hold the copy a little longer, so that overlapping turns could not go unnoticed
         return read(*args, **kwargs)
 
-    def timed_release(prepared):
-        release(prepared)
-        intervals[-1][1] = time.monotonic()
+    def timed_close(opened):
+        close(opened)
+        if intervals and intervals[-1][1] is None:
+            intervals[-1][1] = time.monotonic()
 
-    loader.load_torch_file, loader.release = timed_read, timed_release
+    formats.load_torch_file, formats.OpenedCheckpoint.close = timed_read, timed_close
 
 
 def _launch(devices: int, num_nodes: int = 1, **strategy_kwargs) -> Fabric:
@@ -61,7 +62,7 @@ def _load_in_turns(path: str, expected_path: str, concurrency: int, num_nodes: i
     _record_materialized_intervals(intervals)
     # Each rank holds the copy for 0.3 s plus its reading; with k=1 the last of 2 ranks waits longer than the 2 s
     # process-group timeout only if turns used collectives. They use the store, so no timeout may fire.
-    fabric.load(path, {"model": model})
+    fabric.load(path, {"model": model}, weights_only=False)
     assert_same_state(gather_full_state(model)["model"], torch.load(expected_path, weights_only=True))
     return fabric.node_rank, tuple(intervals[0])
 
@@ -80,7 +81,7 @@ def _write_legacy_fabric_checkpoint(tmp_path):
     return path
 
 
-def test_legacy_file_is_read_one_rank_per_node_at_a_time(tmp_path):
+def test_trusted_file_is_read_one_rank_per_node_at_a_time(tmp_path):
     path = _write_legacy_fabric_checkpoint(tmp_path)
     results = run_distributed(
         _load_in_turns, str(path), str(tmp_path / "expected.pt"), 1, 2, devices=2, num_nodes=2, timeout=300
@@ -94,7 +95,7 @@ def test_legacy_file_is_read_one_rank_per_node_at_a_time(tmp_path):
     assert _overlaps(first_turns), f"nodes waited for each other: {by_node}"
 
 
-def test_legacy_file_with_all_ranks_at_once(tmp_path):
+def test_trusted_file_with_all_ranks_at_once(tmp_path):
     path = _write_legacy_fabric_checkpoint(tmp_path)
     results = run_distributed(_load_in_turns, str(path), str(tmp_path / "expected.pt"), 2, 1, devices=2)
     assert _overlaps([interval for _, interval in results])
@@ -110,7 +111,7 @@ def _one_rank_fails(paths: dict[str, str]) -> dict[str, tuple[str, float, bool]]
     for name, path in paths.items():
         start = time.monotonic()
         try:
-            fabric.load(path, {"model": model})
+            fabric.load(path, {"model": model}, weights_only=not name.endswith("trusted"))
         except CheckpointLoadError as error:
             untouched = all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
             outcomes[name] = (str(error), time.monotonic() - start, untouched)
@@ -122,7 +123,7 @@ def test_a_failing_rank_makes_every_rank_raise_promptly(tmp_path):
     state_dict = TinyTransformer().state_dict()
     paths = {fmt: str(write_checkpoint(state_dict, tmp_path / fmt, fmt)) for fmt in ("torch-zip", "torch-legacy")}
     torch.save({"model": state_dict}, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
-    paths["legacy-fabric"] = str(tmp_path / "legacy.ckpt")
+    paths["legacy-fabric"] = paths["legacy-fabric-trusted"] = str(tmp_path / "legacy.ckpt")
     per_rank = run_distributed(_one_rank_fails, paths, devices=4, timeout=300)
     for fmt in paths:
         messages = {outcomes[fmt][0] for outcomes in per_rank}
@@ -132,10 +133,10 @@ def test_a_failing_rank_makes_every_rank_raise_promptly(tmp_path):
         assert "shape mismatch" in message
         assert max(outcomes[fmt][1] for outcomes in per_rank) < 15
     # A source read by byte ranges is validated on every rank before any rank writes: no model changed.
-    assert all(outcomes["torch-zip"][2] for outcomes in per_rank)
-    assert all(outcomes["torch-legacy"][2] for outcomes in per_rank)
+    for fmt in ("torch-zip", "torch-legacy", "legacy-fabric"):
+        assert all(outcomes[fmt][2] for outcomes in per_rank), fmt
     # In turns, ranks after the failing one never start (ranks before it have loaded, which is unavoidable).
-    assert per_rank[3]["legacy-fabric"][2]
+    assert per_rank[3]["legacy-fabric-trusted"][2]
 
 
 def _raw_legacy_without_turns(path: str, expected_path: str) -> int:
@@ -174,7 +175,7 @@ def _load_and_measure(path: str) -> tuple[int, int]:
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # resets the peak resident set size (VmHWM) to the current one
     base_rss, base_anonymous = _status_kib("VmRSS"), _status_kib("RssAnon")
-    fabric.load(path, {"model": model})
+    fabric.load(path, {"model": model}, weights_only=False)
     return _status_kib("VmHWM") - base_rss, _status_kib("RssAnon") - base_anonymous
 
 

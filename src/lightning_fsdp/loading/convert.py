@@ -13,7 +13,7 @@ import dataclasses
 import math
 import warnings
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,26 +25,15 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import (
-    _DCP_METADATA_FILENAME,
-    _FABRIC_METADATA_FILENAME,
-    ByteRangeSource,
+    DCP_METADATA_FILENAME,
+    FABRIC_METADATA_FILENAME,
     CheckpointFormat,
-    DetectedCheckpoint,
-    DictSource,
-    MergedSource,
-    TensorSource,
-    TensorSpec,
-    _NotLocatable,
-    _read_index,
-    _sniff_file,
-    as_mapping,
-    check_all_tensors,
+    OpenedCheckpoint,
     detect_checkpoint,
-    is_lazy,
-    load_torch_file,
-    open_legacy_file,
-    read_legacy_layout,
+    open_checkpoint,
+    open_every_tensor,
 )
+from lightning_fsdp.loading.sources import TensorSource, TensorSpec, materialize, walk_tensors
 
 #: Rows per chunk are chosen so that a chunk holds about this many bytes.
 DEFAULT_CHUNK_BYTES = 32 * 2**20
@@ -76,27 +65,28 @@ class CheckpointSummary:
 
 
 def describe_checkpoint(path: str | Path, weights_only: bool = True) -> CheckpointSummary:
-    """Tell what a checkpoint holds without reading its tensor data."""
+    """Tell what a checkpoint holds without reading its tensor data (the same reader as loading, so the same checks)."""
     detected = detect_checkpoint(path)
     if detected.format is CheckpointFormat.FABRIC_SHARDED:
         specs, top_level = _sharded_specs(detected.path, weights_only)
         kind = "sharded checkpoint"
-    elif detected.format in (CheckpointFormat.TORCH_ZIP, CheckpointFormat.TORCH_LEGACY):
-        content = as_mapping(load_torch_file(detected.path, detected.format, weights_only, "meta"), detected.path)
-        specs = {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in _walk_tensors(content)}
-        top_level = [str(key) for key in content]
-        is_raw = any(isinstance(value, torch.Tensor) for value in content.values())
-        kind = "raw state dict" if is_raw else "fabric checkpoint"
     else:
-        specs = dict(_streaming_source(detected, weights_only, module_key=None)[0].specs())
-        top_level = sorted(specs)
-        kind = "raw state dict" if detected.format is CheckpointFormat.SAFETENSORS else "hugging face checkpoint"
+        opened = open_every_tensor(detected, weights_only)
+        try:
+            specs = dict(opened.source.specs())
+            top_level = opened.top_level_keys or sorted(specs)
+        finally:
+            opened.close()
+        if detected.format is CheckpointFormat.HF_INDEX:
+            kind = "hugging face checkpoint"
+        else:
+            kind = "raw state dict" if opened.raw else "fabric checkpoint"
     largest = max(specs.items(), key=lambda item: item[1].nbytes, default=(None, None))
     return CheckpointSummary(
         path=str(detected.path),
         format=detected.format.value,
         kind=kind,
-        lazy=is_lazy(detected, weights_only),
+        lazy=not detected.reads_whole(weights_only),
         files=len(detected.files),
         file_bytes=detected.nbytes,
         tensors=len(specs),
@@ -141,16 +131,32 @@ def convert_checkpoint(
         on_chunk: Called with the byte count of every chunk written (for progress).
 
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise CheckpointLoadError(f"The output {str(output)!r} exists and is not an empty directory: choose another.")
     detected = detect_checkpoint(source)
     if detected.format is CheckpointFormat.FABRIC_SHARDED:
         raise CheckpointLoadError(f"{str(detected.path)!r} is a sharded checkpoint already: there is nothing to do.")
-    tensor_source, metadata, skipped = _streaming_source(detected, weights_only, module_key)
+    opened = open_checkpoint(detected, module_key, weights_only, verify_crc=True)
+    try:
+        metadata, skipped = _metadata_and_skipped(opened)
+        return _write_sharded(opened.source, output, module_key, metadata, skipped, chunk_bytes, on_chunk)
+    finally:
+        opened.close()
+
+
+def _write_sharded(
+    tensor_source: TensorSource,
+    output: Path,
+    module_key: str,
+    metadata: dict[str, Any],
+    skipped: list[str],
+    chunk_bytes: int,
+    on_chunk: Callable[[int], None] | None,
+) -> "ConversionResult":
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
     specs = tensor_source.specs()
     state_dict = {
         module_key: {name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()}
@@ -167,7 +173,7 @@ def convert_checkpoint(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
         dcp.save(state_dict, storage_writer=writer, planner=planner, no_dist=True)
-    torch.save(metadata, output / _FABRIC_METADATA_FILENAME)
+    torch.save(metadata, output / FABRIC_METADATA_FILENAME)
     return ConversionResult(
         output=str(output),
         tensors=len(specs),
@@ -178,94 +184,17 @@ def convert_checkpoint(
     )
 
 
-def _streaming_source(
-    detected: DetectedCheckpoint, weights_only: bool, module_key: str | None
-) -> tuple[TensorSource, dict[str, Any], list[str]]:
-    """A source that reads exact byte ranges where the format allows; the non-tensor metadata; skipped entries."""
-    if detected.format is CheckpointFormat.SAFETENSORS:
-        return ByteRangeSource.from_safetensors([detected.path]), {}, []
-    if detected.format is CheckpointFormat.HF_INDEX:
-        sources = [_file_source(file, weights_only) for file in detected.files]
-        merged = MergedSource(sources)
-        missing = sorted(set(_read_index(detected.path)) - set(merged.specs()))
-        if missing:
-            raise CheckpointLoadError(
-                f"The index {str(detected.path)!r} names tensors its shards do not hold: {', '.join(missing[:5])}."
-            )
-        return merged, {}, []
-    legacy_offsets: dict[int, int] | None = None
-    if detected.format is CheckpointFormat.TORCH_LEGACY:
-        try:
-            content, legacy_offsets = read_legacy_layout(detected.path, weights_only)
-        except _NotLocatable:
-            content = load_torch_file(detected.path, detected.format, weights_only)
-    else:
-        content = load_torch_file(detected.path, detected.format, weights_only, map_location="meta")
-    content = content_structure = as_mapping(content, detected.path)
+def _metadata_and_skipped(opened: OpenedCheckpoint) -> tuple[dict[str, Any], list[str]]:
+    """The entries of a Fabric checkpoint besides the module's: metadata to keep, and optimizer states to skip."""
     metadata: dict[str, Any] = {}
     skipped: list[str] = []
-    module_entry = content.get(module_key) if module_key is not None else None
-    if isinstance(module_entry, Mapping):
-        tensors = module_entry
-        for key, value in content.items():
-            if key == module_key:
-                continue
-            if isinstance(value, torch.Tensor) and value.dim() == 0:
-                metadata[key] = _read_scalar(detected, str(key), value)  # e.g. a step counter saved as a tensor
-            elif any(True for _ in _walk_tensors(value)):
-                skipped.append(str(key))  # optimizer states: their sharded layout is FSDP's, not convertible offline
-            else:
-                metadata[key] = value
-    elif any(isinstance(value, torch.Tensor) for value in content.values()):
-        tensors = content
-    else:
-        keys = ", ".join(repr(key) for key in list(content)[:10])
-        raise CheckpointLoadError(
-            f"The checkpoint {str(detected.path)!r} has no entry {module_key!r} with the module's state, and is not a"
-            f" raw state dict. Its entries are {keys}: pass the key of the module's state."
-        )
-    check_all_tensors(tensors)
-    try:
-        if detected.format is CheckpointFormat.TORCH_ZIP:
-            return ByteRangeSource.from_zip_entries(detected.path, tensors), metadata, skipped
-        if legacy_offsets is not None:
-            return ByteRangeSource.from_legacy_layout(detected.path, tensors, legacy_offsets), metadata, skipped
-    except _NotLocatable:
-        pass
-    # Tensors that cannot be located by byte offset (views): read the file whole.
-    content = load_torch_file(detected.path, detected.format, weights_only)
-    tensors = content[module_key] if tensors is not content_structure else content
-    return DictSource(tensors, lazy=False), metadata, skipped
-
-
-def _read_scalar(detected: DetectedCheckpoint, key: str, value: torch.Tensor) -> torch.Tensor:
-    if value.is_meta:
-        return ByteRangeSource.from_zip_entries(detected.path, {key: value}).read(key).clone()
-    return value
-
-
-def _file_source(file: Path, weights_only: bool) -> TensorSource:
-    file_format = _sniff_file(file)
-    if file_format is CheckpointFormat.SAFETENSORS:
-        return ByteRangeSource.from_safetensors([file])
-    if file_format is CheckpointFormat.TORCH_LEGACY:
-        return open_legacy_file(file, weights_only)
-    content = load_torch_file(file, file_format, weights_only, map_location="meta")
-    try:
-        return ByteRangeSource.from_zip_entries(file, content)
-    except _NotLocatable:  # views: read through a memory map instead
-        return DictSource(load_torch_file(file, file_format, weights_only), lazy=True)
-
-
-def _walk_tensors(obj: Any, prefix: str = "") -> Any:
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _walk_tensors(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            yield from _walk_tensors(value, f"{prefix}.{index}" if prefix else str(index))
+    for key, value in opened.entries.items():
+        tensors = list(walk_tensors(value))
+        if tensors and not (len(tensors) == 1 and tensors[0][0] == "" and value.dim() == 0):
+            skipped.append(str(key))  # optimizer states: their sharded layout is FSDP's, not convertible offline
+        else:
+            metadata[key] = materialize(value)  # plain values, or a step counter saved as a scalar tensor
+    return metadata, skipped
 
 
 def _sharded_specs(path: Path, weights_only: bool) -> tuple[dict[str, TensorSpec], list[str]]:
@@ -274,7 +203,7 @@ def _sharded_specs(path: Path, weights_only: bool) -> tuple[dict[str, TensorSpec
 
     from lightning_fsdp.loading.sharded import read_sharded_metadata
 
-    if not (path / _DCP_METADATA_FILENAME).is_file():
+    if not (path / DCP_METADATA_FILENAME).is_file():
         raise CheckpointLoadError(f"The sharded checkpoint {str(path)!r} has no `.metadata` file: it is incomplete.")
     metadata = FileSystemReader(path).read_metadata()
     specs = {

@@ -1,51 +1,46 @@
-"""Tell checkpoint layouts apart by their content, and read tensors from them without copying the whole file.
+"""Tell checkpoint layouts apart by their content, and open any of them as one kind of tensor source.
+
+:func:`detect_checkpoint` says what a path holds; :func:`open_checkpoint` is the one way to open it, used alike by
+loading, ``lightning-fsdp inspect`` and ``lightning-fsdp convert``. With ``weights_only=True`` every format is read by
+proven byte ranges (:mod:`~lightning_fsdp.loading.sources`); a file the caller trusts (``weights_only=False``) may
+hold any object and is read whole by ``torch.load``.
 
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
 import json
-import math
-import mmap
-import pickle
-import struct
-import zipfile
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.files import require_regular_file
+from lightning_fsdp.loading.legacy import read_legacy_structure
+from lightning_fsdp.loading.safetensors_header import read_safetensors_locations
+from lightning_fsdp.loading.sources import (
+    ByteRangeSource,
+    DictSource,
+    MergedSource,
+    TensorLocation,
+    TensorRef,
+    TensorSource,
+    check_state_dict,
+    walk_tensors,
+)
+from lightning_fsdp.loading.torch_pickle import TorchFileStructure, read_zip_structure, unpickling_errors
 
 #: The file that marks a sharded checkpoint written by ``fabric.save`` (the metadata of the user's state).
-_FABRIC_METADATA_FILENAME = "meta.pt"
+FABRIC_METADATA_FILENAME = "meta.pt"
 #: The file that torch's distributed checkpoint (DCP) writes into every checkpoint directory.
-_DCP_METADATA_FILENAME = ".metadata"
+DCP_METADATA_FILENAME = ".metadata"
 #: Single-file Hugging Face checkpoints that a directory may hold instead of an index.
 _HF_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
-#: Preferred when a directory holds indexes for both formats (safetensors reads lazily and never unpickles).
+#: Preferred when a directory holds indexes for both formats (safetensors never unpickles).
 _HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-#: Reads at least this large get an anonymous mapping of their own (see :meth:`ByteRangeSource.read_flat`).
-_OWN_MAPPING_BYTES = 2**20
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 class CheckpointFormat(str, Enum):
@@ -54,35 +49,13 @@ class CheckpointFormat(str, Enum):
     FABRIC_SHARDED = "fabric-sharded"
     """A directory of distributed checkpoint shards, as ``fabric.save`` writes it with ``state_dict_type="sharded"``."""
     TORCH_ZIP = "torch-zip"
-    """A ``torch.save`` file in the zip format (the default since torch 1.6): read lazily through ``mmap``."""
+    """A ``torch.save`` file in the zip format (the default since torch 1.6)."""
     TORCH_LEGACY = "torch-legacy"
-    """A ``torch.save`` file in the legacy format (``_use_new_zipfile_serialization=False``). A raw state dict is
-    read by byte ranges (its pickles come first and say where each tensor is); a Fabric checkpoint is read whole."""
+    """A ``torch.save`` file in the legacy format (``_use_new_zipfile_serialization=False``)."""
     SAFETENSORS = "safetensors"
-    """A ``.safetensors`` file: read lazily, slice by slice, and never unpickled."""
+    """A ``.safetensors`` file (never unpickled)."""
     HF_INDEX = "hf-index"
     """A Hugging Face sharded checkpoint: an ``*.index.json`` naming the file that holds each tensor."""
-
-    @property
-    def lazy(self) -> bool:
-        """Whether a rank can always read just the bytes it needs, without materialising the whole source."""
-        return self is not CheckpointFormat.TORCH_LEGACY
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """The shape and dtype of a tensor in a checkpoint, known without reading its data."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -99,13 +72,20 @@ class DetectedCheckpoint:
     def nbytes(self) -> int:
         return sum(file.stat().st_size for file in self.files if file.is_file())
 
+    def reads_whole(self, weights_only: bool) -> bool:
+        """Whether a rank must hold this checkpoint whole in memory to read it (only a trusted, pickled file)."""
+        pickled = self.format in (CheckpointFormat.TORCH_ZIP, CheckpointFormat.TORCH_LEGACY)
+        if self.format is CheckpointFormat.HF_INDEX:
+            pickled = any(_sniff_file(file) is not CheckpointFormat.SAFETENSORS for file in self.files)
+        return pickled and not weights_only
+
 
 def detect_checkpoint(path: str | Path) -> DetectedCheckpoint:
     """Find out which checkpoint format ``path`` holds, from its content rather than its name.
 
     Raises:
-        CheckpointLoadError: If the path does not exist, is empty, or holds nothing the loader can read. The message
-            says what was found.
+        CheckpointLoadError: If the path does not exist, is empty, is not a regular file or directory, or holds
+            nothing the loader can read. The message says what was found.
 
     """
     path = Path(path)
@@ -117,21 +97,20 @@ def detect_checkpoint(path: str | Path) -> DetectedCheckpoint:
         return _detect_directory(path)
     file_format = _sniff_file(path)
     if file_format is CheckpointFormat.HF_INDEX:
-        return DetectedCheckpoint(path, file_format, _index_shard_files(path))
+        return DetectedCheckpoint(path, file_format, tuple(sorted(set(read_index(path).values()))))
     return DetectedCheckpoint(path, file_format, (path,))
 
 
 def _detect_directory(path: Path) -> DetectedCheckpoint:
-    if (path / _DCP_METADATA_FILENAME).is_file() or (path / _FABRIC_METADATA_FILENAME).is_file():
+    if (path / DCP_METADATA_FILENAME).exists() or (path / FABRIC_METADATA_FILENAME).exists():
         return DetectedCheckpoint(path, CheckpointFormat.FABRIC_SHARDED, tuple(sorted(p for p in path.iterdir())))
-    indexes = [path / name for name in _HF_INDEX_FILES if (path / name).is_file()]
+    indexes = [path / name for name in _HF_INDEX_FILES if (path / name).exists()]
     indexes += sorted(p for p in path.glob("*.index.json") if p not in indexes)
     if indexes:
-        return DetectedCheckpoint(indexes[0], CheckpointFormat.HF_INDEX, _index_shard_files(indexes[0]))
+        return detect_checkpoint(indexes[0])
     for name in _HF_SINGLE_FILES:
-        if (path / name).is_file():
-            weights = path / name
-            return DetectedCheckpoint(weights, _sniff_file(weights), (weights,))
+        if (path / name).exists():
+            return detect_checkpoint(path / name)
     contents = sorted(p.name for p in path.iterdir())
     shown = ", ".join(contents[:10]) + (f", ... ({len(contents)} entries)" if len(contents) > 10 else "")
     raise CheckpointLoadError(
@@ -142,7 +121,7 @@ def _detect_directory(path: Path) -> DetectedCheckpoint:
 
 
 def _sniff_file(path: Path) -> CheckpointFormat:
-    size = path.stat().st_size
+    size = require_regular_file(path).st_size
     if size == 0:
         raise CheckpointLoadError(f"The checkpoint file {str(path)!r} is empty (0 bytes). Was the save interrupted?")
     with open(path, "rb") as file:
@@ -161,10 +140,18 @@ def _sniff_file(path: Path) -> CheckpointFormat:
     )
 
 
-def _read_index(path: Path) -> dict[str, str]:
+def read_index(path: Path) -> dict[str, Path]:
+    """The ``weight_map`` of a Hugging Face index: tensor name -> the shard file (next to the index) that holds it.
+
+    Raises:
+        CheckpointLoadError: If the index is not valid JSON, has no ``weight_map``, names a file outside its
+            directory (an absolute path, ``..``), or a shard that does not exist.
+
+    """
+    require_regular_file(path, "index file")
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise CheckpointLoadError(f"The index file {str(path)!r} is not valid JSON: {error}.") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -172,264 +159,198 @@ def _read_index(path: Path) -> dict[str, str]:
             f"The JSON file {str(path)!r} is not a Hugging Face checkpoint index: it has no `weight_map` that maps"
             " tensor names to file names."
         )
-    return weight_map
-
-
-def _index_shard_files(path: Path) -> tuple[Path, ...]:
-    shard_names = sorted(set(_read_index(path).values()))
-    missing = [name for name in shard_names if not (path.parent / name).is_file()]
+    outside = sorted({name for name in weight_map.values() if not _is_plain_relative(name)})
+    if outside:
+        raise CheckpointLoadError(
+            f"The index {str(path)!r} names shard file(s) outside its directory: {', '.join(map(repr, outside[:5]))}."
+            " A Hugging Face index names its shards by file names relative to it; refusing to read other files."
+        )
+    files = {name: path.parent / file for name, file in weight_map.items()}
+    missing = sorted({file.name for file in files.values() if not file.exists()})
     if missing:
         raise CheckpointLoadError(
             f"The index {str(path)!r} names {len(missing)} shard file(s) that do not exist next to it:"
             f" {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}. Download or copy the missing shards."
         )
-    return tuple(path.parent / name for name in shard_names)
+    return files
 
 
-def load_torch_file(path: Path, file_format: CheckpointFormat, weights_only: bool, map_location: str = "cpu") -> Any:
-    """Unpickle a ``torch.save`` file with every storage on the CPU, lazily (``mmap``) where the format allows.
+def _is_plain_relative(name: str) -> bool:
+    # Symbolic links in the directory are followed (the Hugging Face cache links snapshot files to its blobs).
+    parts = PurePosixPath(name).parts
+    return bool(name) and "\\" not in name and not PurePosixPath(name).is_absolute() and ".." not in parts
+
+
+def load_torch_file(path: Path, weights_only: bool) -> Any:
+    """Read a whole ``torch.save`` file with every storage on the CPU (for trusted files that may hold any object).
 
     Storages always go to the CPU first, whatever device the file recorded: a file saved from ``cuda:0`` must not
-    touch ``cuda:0`` from another rank, and must load on a machine without a GPU. ``map_location="meta"`` reads the
-    structure only (shapes, dtypes, and for zip files each storage's offset in the file).
+    touch ``cuda:0`` from another rank, and must load on a machine without a GPU. The file is read into memory, not
+    mapped, so a file changed during the load cannot crash the process.
 
     """
-    mmap = file_format is CheckpointFormat.TORCH_ZIP and map_location != "meta"
-    with _reading_errors(path, weights_only):
-        return torch.load(path, map_location=map_location, mmap=mmap, weights_only=weights_only)
+    require_regular_file(path)
+    with unpickling_errors(path, weights_only):
+        return torch.load(path, map_location="cpu", mmap=False, weights_only=weights_only)
 
 
-@contextmanager
-def _reading_errors(path: Path, weights_only: bool) -> Iterator[None]:
-    """Turn what unpickling a bad or unsafe file raises into one :class:`CheckpointLoadError` that says why."""
-    try:
-        yield
-    except pickle.UnpicklingError as error:
-        if weights_only:
-            raise CheckpointLoadError(
-                f"Refused to unpickle {str(path)!r}: it holds objects other than tensors and plain containers, which"
-                " could run code when loaded (the payload was not run). If you trust the file and its author, load"
-                f" it with `weights_only=False`. Details: {_first_line(error)}"
-            ) from None
-        raise CheckpointLoadError(f"The file {str(path)!r} is not a readable `torch.save` file: {error}") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError, struct.error) as error:
-        raise CheckpointLoadError(
-            f"The file {str(path)!r} could not be read as a `torch.save` checkpoint: it looks truncated or corrupt"
-            f" ({_first_line(error)}). Re-copy or re-save it."
-        ) from None
+@dataclass
+class OpenedCheckpoint:
+    """A checkpoint file, opened: the module's tensors as a source, and the other entries of a Fabric checkpoint."""
+
+    source: TensorSource
+    """The module's state."""
+    entries: dict[str, Any] = field(default_factory=dict)
+    """The other top-level entries of a Fabric checkpoint (optimizer states, metadata), with tensors as
+    :class:`~lightning_fsdp.loading.sources.TensorRef` (read on demand) where the file was read by byte ranges;
+    empty for a raw state dict."""
+    raw: bool = True
+    """Whether the file is a raw module state dict rather than a Fabric checkpoint."""
+    top_level_keys: list[str] = field(default_factory=list)
+    extra_sources: list[TensorSource] = field(default_factory=list)
+
+    def check_unchanged(self) -> None:
+        """Raise if a file changed since it was opened."""
+        for source in [self.source, *self.extra_sources]:
+            source.check_unchanged()
+
+    def close(self) -> None:
+        for source in [self.source, *self.extra_sources]:
+            source.close()
+        self.entries.clear()
 
 
-class _NotLocatable(Exception):
-    """A legacy-format file whose tensors cannot be located by byte offset (the caller reads it whole instead)."""
+def open_checkpoint(
+    detected: DetectedCheckpoint, module_key: str | None, weights_only: bool, verify_crc: bool = False
+) -> OpenedCheckpoint:
+    """Open a checkpoint file, and tell a raw module state dict from a Fabric checkpoint by its content.
 
-
-def read_legacy_layout(path: Path, weights_only: bool) -> tuple[Any, dict[int, int]]:
-    """Read the structure of a legacy-format ``torch.save`` file and where each storage's bytes are, not its data.
-
-    The legacy format is a sequence of pickles (magic number, protocol, system info, the object, the storage keys)
-    followed by each storage's element count and bytes, in the order of the keys. The pickles come first, so the
-    structure and every storage's offset are known after reading a few kilobytes.
-
-    Returns:
-        The unpickled object with tensors on the meta device, and for each storage (by its ``_cdata``) the offset of
-        its first byte in the file.
+    Args:
+        detected: What :func:`detect_checkpoint` found.
+        module_key: The entry of a Fabric checkpoint that holds the module's state; ``None`` when the file must be the
+            module's state itself (``load_raw``).
+        weights_only: Unpickle only tensors and plain containers. With ``False``, pickled files are read whole.
+        verify_crc: Check every zip record against its CRC (``convert``, which reads every byte anyway).
 
     Raises:
-        _NotLocatable: For files this reader does not know (storage views, other legacy variants).
-        CheckpointLoadError: For unsafe (with ``weights_only``), truncated or corrupt files.
+        CheckpointLoadError: If the file is unreadable, unsafe, corrupt, or holds no module state.
 
     """
-    from torch._weights_only_unpickler import Unpickler as WeightsOnlyUnpickler
+    if detected.format is CheckpointFormat.FABRIC_SHARDED:
+        raise ValueError("A sharded checkpoint is read by `lightning_fsdp.loading.sharded`, not opened as a file.")
+    if detected.format is CheckpointFormat.SAFETENSORS:
+        return OpenedCheckpoint(ByteRangeSource(read_safetensors_locations(detected.path)))
+    if detected.format is CheckpointFormat.HF_INDEX:
+        return OpenedCheckpoint(_open_index(detected.path, weights_only, verify_crc))
+    if detected.reads_whole(weights_only):
+        content = _as_mapping(load_torch_file(detected.path, weights_only), detected.path)
+        return _split_entries(content, module_key, detected.path, DictSource, lambda entries: ([], entries))
+    structure = _read_structure(detected.path, detected.format, weights_only, verify_crc)
+    content = _as_mapping(structure.content, detected.path)
 
-    unpickler_class = WeightsOnlyUnpickler if weights_only else pickle.Unpickler
-    storages: dict[str, torch.TypedStorage] = {}
+    def locate_source(state_dict: Mapping[str, Any]) -> ByteRangeSource:
+        check_state_dict(state_dict)
+        return ByteRangeSource(structure.locate(state_dict))
 
-    def persistent_load(saved_id: tuple) -> Any:
-        kind = saved_id[0].decode("ascii") if isinstance(saved_id[0], bytes) else saved_id[0]
-        if kind == "module" and not weights_only:
-            return saved_id[1]
-        if kind != "storage":
-            raise _NotLocatable(f"persistent id {kind!r}")
-        storage_type, key, _location, numel, view_metadata = saved_id[1:]
-        if view_metadata is not None:
-            raise _NotLocatable("a storage view")
-        if key not in storages:
-            dtype = storage_type.dtype
-            untyped = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
-            storages[key] = torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-        return storages[key]
+    def lazy_entries(entries: dict[str, Any]) -> tuple[list[TensorSource], dict[str, Any]]:
+        tensors = dict(walk_tensors(entries))
+        if not tensors:
+            return [], entries
+        source = ByteRangeSource(structure.locate(tensors))
+        return [source], _with_refs(entries, source)
 
-    with _reading_errors(path, weights_only), open(path, "rb") as file:
-        for _ in range(3):  # magic number, protocol version, system info
-            unpickler_class(file).load()
-        unpickler = unpickler_class(file)
-        unpickler.persistent_load = persistent_load
-        content = unpickler.load()
-        keys = unpickler_class(file).load()
-        offsets: dict[int, int] = {}
-        position = file.tell()
-        for key in keys:
-            storage = storages.get(key)
-            if storage is None:
-                raise _NotLocatable(f"storage {key!r} is not referenced")
-            file.seek(position)
-            (numel,) = struct.unpack("<q", file.read(8))
-            if numel * storage.dtype.itemsize != storage._untyped_storage.nbytes():
-                raise _NotLocatable(f"storage {key!r} has {numel} elements, not {storage.size()}")
-            offsets[storage._untyped_storage._cdata] = position + 8
-            position += 8 + storage._untyped_storage.nbytes()
-        if position > path.stat().st_size:
+    return _split_entries(content, module_key, detected.path, locate_source, lazy_entries)
+
+
+def open_every_tensor(detected: DetectedCheckpoint, weights_only: bool) -> OpenedCheckpoint:
+    """Open every tensor of a checkpoint file, each named by its dotted path (``optimizer.state.w.exp_avg``).
+
+    For ``lightning-fsdp inspect``: the same reading and checks as :func:`open_checkpoint`, whatever the file holds.
+    ``raw`` says whether the file is a module state dict (tensors at its top level).
+
+    """
+    if detected.format in (CheckpointFormat.SAFETENSORS, CheckpointFormat.HF_INDEX):
+        return open_checkpoint(detected, None, weights_only)
+    if detected.reads_whole(weights_only):
+        content = _as_mapping(load_torch_file(detected.path, weights_only), detected.path)
+        source: TensorSource = DictSource(dict(walk_tensors(content)))
+    else:
+        structure = _read_structure(detected.path, detected.format, weights_only, verify_crc=False)
+        content = _as_mapping(structure.content, detected.path)
+        source = ByteRangeSource(structure.locate(dict(walk_tensors(content))))
+    raw = any(isinstance(value, torch.Tensor) for value in content.values())
+    return OpenedCheckpoint(source, raw=raw, top_level_keys=[str(key) for key in content])
+
+
+def _split_entries(
+    content: Mapping[Any, Any], module_key: str | None, path: Path, make_source: Any, make_entries: Any
+) -> OpenedCheckpoint:
+    keys = [str(key) for key in content]
+    module_entry = content.get(module_key) if module_key is not None else None
+    if isinstance(module_entry, Mapping):
+        extra_sources, entries = make_entries({key: value for key, value in content.items() if key != module_key})
+        source = make_source(module_entry)
+        return OpenedCheckpoint(source, entries, raw=False, top_level_keys=keys, extra_sources=extra_sources)
+    if content and not any(isinstance(value, torch.Tensor) for value in content.values()):
+        shown = ", ".join(repr(key) for key in keys[:10])
+        if module_key is None:
             raise CheckpointLoadError(
-                f"The file {str(path)!r} could not be read as a `torch.save` checkpoint: it is truncated. Re-copy it."
+                f"The file {str(path)!r} is not a raw module state dict but a checkpoint with the entries {shown}."
+                " Load it with `fabric.load(path, {'model': model, ...})`, naming the entry of the model."
             )
-    return content, offsets
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-class TensorSource:
-    """Named tensors that can be read whole or as a range of their flattened elements.
-
-    A range read returns only the elements asked for, so with a lazy source a rank touches only the bytes of its own
-    shard.
-
-    """
-
-    lazy: bool = True
-
-    def specs(self) -> Mapping[str, TensorSpec]:
-        """Shape and dtype of every tensor, read from the file's metadata without reading tensor data."""
-        raise NotImplementedError
-
-    def read(self, name: str) -> torch.Tensor:
-        """Return the whole tensor (a view of the mapped file where the format allows)."""
-        raise NotImplementedError
-
-    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Return elements ``[start, stop)`` of the flattened tensor."""
-        return self.read(name).reshape(-1)[start:stop]
-
-    def close(self) -> None:
-        """Release open files and mappings."""
-
-
-def check_all_tensors(state_dict: Mapping[str, Any]) -> None:
-    """Raise if a module state dict holds values other than tensors, naming the first few."""
-    not_tensors = {k: type(v).__name__ for k, v in state_dict.items() if not isinstance(v, torch.Tensor)}
-    if not_tensors:
-        shown = ", ".join(f"{k!r} ({t})" for k, t in list(not_tensors.items())[:5])
         raise CheckpointLoadError(
-            f"The state dict holds {len(not_tensors)} value(s) that are not tensors where tensors are expected:"
-            f" {shown}{', ...' if len(not_tensors) > 5 else ''}. A module state dict maps parameter and buffer"
-            " names to tensors."
+            f"The checkpoint {str(path)!r} has no entry {module_key!r} for the model, and it is not a raw module state"
+            f" dict either. Its entries are {shown}: pass the model under the key it was saved with, e.g."
+            " `fabric.load(path, {'model': model})`."
         )
+    return OpenedCheckpoint(make_source(content), top_level_keys=keys)
 
 
-class DictSource(TensorSource):
-    """Tensors from an in-memory or memory-mapped state dict (what ``torch.load`` returned)."""
-
-    def __init__(self, state_dict: Mapping[str, Any], lazy: bool) -> None:
-        self._state_dict = state_dict
-        self.lazy = lazy
-        check_all_tensors(state_dict)
-        self._specs = {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in state_dict.items()}
-
-    def specs(self) -> Mapping[str, TensorSpec]:
-        return self._specs
-
-    def read(self, name: str) -> torch.Tensor:
-        return self._state_dict[name]
-
-    def close(self) -> None:
-        self._state_dict = {}
+def _read_structure(
+    path: Path, file_format: CheckpointFormat, weights_only: bool, verify_crc: bool
+) -> TorchFileStructure:
+    if file_format is CheckpointFormat.TORCH_ZIP:
+        return read_zip_structure(path, weights_only, verify_crc=verify_crc)
+    return read_legacy_structure(path, weights_only)
 
 
-class SafetensorsSource(TensorSource):
-    """Tensors from one or more safetensors files, read slice by slice."""
-
-    def __init__(self, files: Mapping[str, Path] | Path) -> None:
-        from safetensors import safe_open
-
-        paths = sorted(set(files.values())) if isinstance(files, Mapping) else [files]
-        self._handles: dict[Path, Any] = {}
-        self._file_of: dict[str, Path] = {}
-        self._specs: dict[str, TensorSpec] = {}
-        for path in paths:
-            try:
-                handle = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as error:  # safetensors raises its own error types (SafetensorError, OSError, ...)
-                raise CheckpointLoadError(
-                    f"The safetensors file {str(path)!r} could not be read: {_first_line(error)}. It looks truncated"
-                    " or corrupt; re-copy it."
-                ) from None
-            self._handles[path] = handle
-            for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not a mapping
-                tensor_slice = handle.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(tensor_slice.get_dtype())
-                if dtype is None:
-                    raise CheckpointLoadError(
-                        f"The tensor {name!r} in {str(path)!r} has dtype {tensor_slice.get_dtype()}, which"
-                        " lightning-fsdp does not read."
-                    )
-                self._specs[name] = TensorSpec(tuple(tensor_slice.get_shape()), dtype)
-                self._file_of[name] = path
-        if isinstance(files, Mapping):
-            _check_index_matches(files, self._file_of)
-
-    def specs(self) -> Mapping[str, TensorSpec]:
-        return self._specs
-
-    def read(self, name: str) -> torch.Tensor:
-        return self._handles[self._file_of[name]].get_tensor(name)
-
-    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
-        shape = self._specs[name].shape
-        if len(shape) == 0 or start >= stop:
-            return self.read(name).reshape(-1)[start:stop]
-        # safetensors slices along dimensions: read the rows that cover the range, then trim to the exact elements.
-        row = math.prod(shape[1:])
-        if row == 0:
-            return self.read(name).reshape(-1)[start:stop]
-        first_row, end_row = start // row, -(-stop // row)
-        rows = self._handles[self._file_of[name]].get_slice(name)[first_row:end_row]
-        offset = first_row * row
-        return rows.reshape(-1)[start - offset : stop - offset]
-
-    def close(self) -> None:
-        self._handles.clear()
+def _with_refs(obj: Any, source: TensorSource, prefix: str = "") -> Any:
+    """``obj`` with each tensor replaced by a reference into ``source``, named as :func:`walk_tensors` names it."""
+    if isinstance(obj, torch.Tensor):
+        return TensorRef(source, prefix)
+    if isinstance(obj, Mapping):
+        return {key: _with_refs(value, source, f"{prefix}.{key}" if prefix else str(key)) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_with_refs(value, source, f"{prefix}.{i}" if prefix else str(i)) for i, value in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
 
 
-class MergedSource(TensorSource):
-    """Several sources seen as one (the shards of a Hugging Face ``pytorch_model.bin`` index)."""
-
-    def __init__(self, sources: list[TensorSource]) -> None:
-        self._sources = sources
-        self.lazy = all(source.lazy for source in sources)
-        self._owner: dict[str, TensorSource] = {}
-        self._specs: dict[str, TensorSpec] = {}
-        for source in sources:
-            for name, spec in source.specs().items():
-                self._owner[name] = source
-                self._specs[name] = spec
-
-    def specs(self) -> Mapping[str, TensorSpec]:
-        return self._specs
-
-    def read(self, name: str) -> torch.Tensor:
-        return self._owner[name].read(name)
-
-    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._owner[name].read_flat(name, start, stop)
-
-    def close(self) -> None:
-        for source in self._sources:
-            source.close()
-
-
-def _check_index_matches(weight_map: Mapping[str, Path], file_of: Mapping[str, Path]) -> None:
+def _open_index(path: Path, weights_only: bool, verify_crc: bool) -> TensorSource:
+    weight_map = read_index(path)
+    locations: dict[str, TensorLocation] = {}
+    whole: dict[str, torch.Tensor] = {}
+    file_of: dict[str, Path] = {}
+    for file in sorted(set(weight_map.values())):
+        file_format = _sniff_file(file)
+        if file_format is CheckpointFormat.SAFETENSORS:
+            found: Mapping[str, Any] = read_safetensors_locations(file)
+            locations.update(found)
+        elif file_format in (CheckpointFormat.TORCH_ZIP, CheckpointFormat.TORCH_LEGACY) and weights_only:
+            structure = _read_structure(file, file_format, weights_only, verify_crc)
+            found = _as_mapping(structure.content, file)
+            check_state_dict(found)
+            locations.update(structure.locate(found))
+        elif file_format in (CheckpointFormat.TORCH_ZIP, CheckpointFormat.TORCH_LEGACY):
+            found = _as_mapping(load_torch_file(file, weights_only), file)
+            check_state_dict(found)
+            whole.update(found)
+        else:
+            raise CheckpointLoadError(f"The shard {str(file)!r} of index {str(path)!r} is not a weights file.")
+        for name in found:
+            if name in file_of:
+                raise CheckpointLoadError(f"The tensor {name!r} is in two shards of the index {str(path)!r}.")
+            file_of[name] = file
     absent = [name for name, file in weight_map.items() if file_of.get(name) != file]
     if absent:
         raise CheckpointLoadError(
@@ -437,167 +358,15 @@ def _check_index_matches(weight_map: Mapping[str, Path], file_of: Mapping[str, P
             f" {', '.join(repr(n) for n in absent[:5])}{', ...' if len(absent) > 5 else ''}. The index and its shards"
             " do not belong together; re-download the checkpoint."
         )
+    if not whole:
+        return ByteRangeSource(locations)
+    return MergedSource([DictSource(whole), ByteRangeSource(locations)])
 
 
-def open_index(path: Path, weights_only: bool, materialize: bool = True) -> TensorSource:
-    """Open a Hugging Face sharded checkpoint from its ``*.index.json``.
-
-    Args:
-        path: The index file.
-        weights_only: Unpickle only tensors and plain containers.
-        materialize: Whether a shard whose tensors cannot be located by byte offset may be read whole; when
-            ``False`` such a shard raises ``_NotLocatable`` instead (the caller reads it in turns).
-
-    """
-    weight_map = {name: path.parent / file for name, file in _read_index(path).items()}
-    shard_formats = {file: _sniff_file(file) for file in sorted(set(weight_map.values()))}
-    if all(fmt is CheckpointFormat.SAFETENSORS for fmt in shard_formats.values()):
-        return SafetensorsSource(weight_map)
-    sources: list[TensorSource] = []
-    for file, fmt in shard_formats.items():
-        if fmt is CheckpointFormat.SAFETENSORS:
-            sources.append(SafetensorsSource(file))
-        elif fmt is CheckpointFormat.TORCH_ZIP:
-            sources.append(DictSource(as_mapping(load_torch_file(file, fmt, weights_only), file), lazy=True))
-        elif fmt is CheckpointFormat.TORCH_LEGACY:
-            sources.append(open_legacy_file(file, weights_only, materialize))
-        else:
-            raise CheckpointLoadError(f"The shard {str(file)!r} of index {str(path)!r} is not a weights file.")
-    merged = MergedSource(sources)
-    _check_index_matches(weight_map, {name: file for name, file in _files_by_name(sources, shard_formats)})
-    return merged
-
-
-def is_lazy(detected: DetectedCheckpoint, weights_only: bool = True) -> bool:
-    """Whether ranks can read only their own bytes of this checkpoint (reads the pickles of legacy files only)."""
-    files = detected.files if detected.format is CheckpointFormat.HF_INDEX else (detected.path,)
-    for file in files:
-        if not file.is_file() or _sniff_file(file) is not CheckpointFormat.TORCH_LEGACY:
-            continue
-        try:
-            content, offsets = read_legacy_layout(file, weights_only)
-            if not isinstance(content, Mapping) or not any(isinstance(v, torch.Tensor) for v in content.values()):
-                return False
-            ByteRangeSource.from_legacy_layout(
-                file, {k: v for k, v in content.items() if isinstance(v, torch.Tensor)}, offsets
-            )
-        except _NotLocatable:
-            return False
-    return True
-
-
-def open_legacy_file(path: Path, weights_only: bool, materialize: bool = True) -> TensorSource:
-    """A legacy-format state dict file, by byte ranges where its tensors can be located, else read whole."""
-    try:
-        content, offsets = read_legacy_layout(path, weights_only)
-        return ByteRangeSource.from_legacy_layout(path, as_mapping(content, path), offsets)
-    except _NotLocatable:
-        if not materialize:
-            raise
-    return DictSource(as_mapping(load_torch_file(path, CheckpointFormat.TORCH_LEGACY, weights_only), path), False)
-
-
-def _files_by_name(sources: list[TensorSource], shard_formats: Mapping[Path, CheckpointFormat]) -> Iterator:
-    for source, file in zip(sources, shard_formats, strict=True):
-        for name in source.specs():
-            yield name, file
-
-
-def as_mapping(obj: Any, path: Path) -> Mapping[str, Any]:
-    """Return what a checkpoint file holds, or raise if it is not a dict (neither a state dict nor a checkpoint)."""
+def _as_mapping(obj: Any, path: Path) -> Mapping[Any, Any]:
     if not isinstance(obj, Mapping):
         raise CheckpointLoadError(
             f"The file {str(path)!r} holds a {type(obj).__name__}, not a state dict or a Fabric checkpoint (both are"
             " dicts)."
         )
     return obj
-
-
-@dataclass(frozen=True)
-class _TensorLocation:
-    file: Path
-    offset: int
-    """Byte offset of the tensor's first element in ``file``."""
-    spec: TensorSpec
-
-
-class ByteRangeSource(TensorSource):
-    """Tensors read with plain positioned reads of exactly the bytes asked for: nothing is mapped or cached.
-
-    Each read returns fresh memory holding only the requested elements, so the process's memory never grows with the
-    file (unlike a memory map, whose touched pages stay resident). Used where peak memory must stay near the largest
-    read, e.g. converting a checkpoint tensor by tensor.
-
-    """
-
-    def __init__(self, locations: Mapping[str, _TensorLocation]) -> None:
-        self._locations = dict(locations)
-        self._specs = {name: location.spec for name, location in self._locations.items()}
-
-    @classmethod
-    def from_zip_entries(cls, path: Path, tensors: Mapping[str, torch.Tensor]) -> "ByteRangeSource":
-        """Locate tensors that ``torch.load(path, map_location="meta")`` returned (they carry their storage offset)."""
-        return cls._locate(path, tensors, lambda storage: getattr(storage, "_checkpoint_offset", None))
-
-    @classmethod
-    def from_legacy_layout(
-        cls, path: Path, tensors: Mapping[str, torch.Tensor], offsets: Mapping[int, int]
-    ) -> "ByteRangeSource":
-        """Locate tensors that :func:`read_legacy_layout` returned, with the storage offsets it found."""
-        return cls._locate(path, tensors, lambda storage: offsets.get(storage._cdata))
-
-    @classmethod
-    def _locate(
-        cls, path: Path, tensors: Mapping[str, torch.Tensor], storage_offset_of: Callable[[Any], int | None]
-    ) -> "ByteRangeSource":
-        locations = {}
-        for name, tensor in tensors.items():
-            storage_offset = storage_offset_of(tensor.untyped_storage())
-            if storage_offset is None or not tensor.is_contiguous():
-                raise _NotLocatable(f"the tensor {name!r} is a non-contiguous view or has no recorded offset")
-            offset = storage_offset + tensor.storage_offset() * tensor.element_size()
-            locations[name] = _TensorLocation(path, offset, TensorSpec(tuple(tensor.shape), tensor.dtype))
-        return cls(locations)
-
-    @classmethod
-    def from_safetensors(cls, paths: list[Path]) -> "ByteRangeSource":
-        """Locate every tensor of safetensors files from their JSON headers."""
-        locations = {}
-        for path in paths:
-            with open(path, "rb") as file:
-                header_size = int.from_bytes(file.read(8), "little")
-                header = json.loads(file.read(header_size))
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
-                if dtype is None:
-                    raise CheckpointLoadError(f"The tensor {name!r} in {str(path)!r} has unsupported dtype {entry}.")
-                begin = 8 + header_size + entry["data_offsets"][0]
-                locations[name] = _TensorLocation(path, begin, TensorSpec(tuple(entry["shape"]), dtype))
-        return cls(locations)
-
-    def specs(self) -> Mapping[str, TensorSpec]:
-        return self._specs
-
-    def read(self, name: str) -> torch.Tensor:
-        spec = self._specs[name]
-        return self.read_flat(name, 0, spec.numel).view(spec.shape)
-
-    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
-        location = self._locations[name]
-        itemsize = location.spec.dtype.itemsize
-        nbytes = max(stop - start, 0) * itemsize
-        if nbytes == 0:
-            return torch.empty(0, dtype=location.spec.dtype)
-        # Large reads get memory of their own, returned to the system as soon as the tensor is dropped: from the heap,
-        # freed blocks of this size tend to stay resident and the process would grow with every read.
-        buffer = mmap.mmap(-1, nbytes) if nbytes >= _OWN_MAPPING_BYTES else bytearray(nbytes)
-        with open(location.file, "rb", buffering=0) as file:
-            file.seek(location.offset + start * itemsize)
-            read = file.readinto(buffer)
-        if read != nbytes:
-            raise CheckpointLoadError(
-                f"The file {str(location.file)!r} ended before the tensor {name!r} did: it is truncated."
-            )
-        return torch.frombuffer(buffer, dtype=location.spec.dtype)

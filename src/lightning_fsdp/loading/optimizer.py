@@ -16,15 +16,17 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.shard_local import ModuleTargets, ShardLocalUnsupported, Target
+from lightning_fsdp.loading.sources import TensorRef, materialize
 
 
 def local_optimizer_state(optimizer: Optimizer, collected: ModuleTargets, full_state: Mapping[str, Any]) -> dict:
     """Build the state dict that ``optimizer.load_state_dict`` takes on this rank, from a full optimizer state.
 
     Raises:
-        ShardLocalUnsupported: For state this path cannot slice (integer-keyed states, tensors whose shape is not the
-            parameter's): the caller falls back to FSDP's own optimizer-state loading.
-        CheckpointLoadError: If the checkpoint's optimizer does not match this optimizer (param groups, names).
+        ShardLocalUnsupported: For state this path cannot slice (integer-keyed states): the caller falls back to
+            FSDP's own optimizer-state loading.
+        CheckpointLoadError: If the checkpoint's optimizer does not match this optimizer (param groups, names), or a
+            state tensor is neither a scalar nor of its parameter's shape.
 
     """
     state = full_state.get("state")
@@ -81,19 +83,31 @@ def _flat_param_state(state: Mapping[str, Any], targets: list[Target], local_sha
             f"The checkpoint's optimizer state has no entry for {absent[0]!r} but has one for"
             f" {present[0][0].names[0]!r} of the same FSDP unit; the optimizer state is incomplete."
         )
+    keys = set(present[0][1])
+    for target, saved in present:
+        if set(saved) != keys:
+            raise CheckpointLoadError(
+                f"The checkpoint's optimizer state of {target.names[0]!r} has the entries {sorted(saved)}, that of"
+                f" {present[0][0].names[0]!r} has {sorted(keys)}; the optimizer state is inconsistent."
+            )
+        for key, value in saved.items():
+            _check_state_shape(key, value, target)
     local: dict[str, Any] = {}
     for key, first in present[0][1].items():
         if not _is_per_element(first, present[0][0]):
-            local[key] = first.clone() if isinstance(first, Tensor) else first
+            local[key] = materialize(first)
             continue
         flat = torch.zeros(local_shard.numel(), dtype=first.dtype)
         for target, saved in present:
             value = saved[key]
             if not _is_per_element(value, target):
-                raise ShardLocalUnsupported(f"the optimizer state {key!r} of {target.names[0]!r} is not per element")
+                raise CheckpointLoadError(
+                    f"The checkpoint's optimizer state {key!r} is per element for {present[0][0].names[0]!r} but not"
+                    f" for {target.names[0]!r} of the same FSDP unit; the optimizer state is inconsistent."
+                )
             slot = target.slot
             assert slot is not None
-            flat[slot.offset : slot.offset + slot.numel] = value.reshape(-1)[slot.start : slot.start + slot.numel]
+            flat[slot.offset : slot.offset + slot.numel] = _flat_range(value, slot.start, slot.start + slot.numel)
         local[key] = flat
     return local
 
@@ -101,19 +115,21 @@ def _flat_param_state(state: Mapping[str, Any], targets: list[Target], local_sha
 def _saved_state(state: Mapping[str, Any], target: Target) -> Mapping[str, Any] | None:
     for name in target.names:
         if name in state:
-            return state[name]
+            saved = state[name]
+            if not isinstance(saved, Mapping):
+                raise CheckpointLoadError(
+                    f"The checkpoint's optimizer state of {name!r} is a {type(saved).__name__}, not a dict of states."
+                )
+            return saved
     return None
 
 
 def _local_value(key: str, value: Any, target: Target) -> Any:
-    if not isinstance(value, Tensor):
-        return value
+    _check_state_shape(key, value, target)
     if target.slot is None or not _is_per_element(value, target):
-        if value.dim() > 0 and target.slot is not None:
-            raise ShardLocalUnsupported(f"the optimizer state {key!r} of {target.names[0]!r} is not per element")
-        return value.clone()
+        return materialize(value)
     slot = target.slot
-    local = value.reshape(-1)[slot.start : slot.start + slot.numel].clone()
+    local = _flat_range(value, slot.start, slot.start + slot.numel).clone()
     # A sharded original parameter is a 1-D view of its slice; without sharding (NO_SHARD, or a single rank, where
     # FSDP does not shard) it keeps its shape. The state takes the shape of the parameter it belongs to.
     if target.param is not None and target.param.numel() == local.numel():
@@ -121,5 +137,20 @@ def _local_value(key: str, value: Any, target: Target) -> Any:
     return local
 
 
+def _check_state_shape(key: str, value: Any, target: Target) -> None:
+    """A tensor state is a scalar (Adam's ``step``) or has its parameter's shape (``exp_avg``); nothing else loads."""
+    if isinstance(value, (Tensor, TensorRef)) and value.dim() > 0 and tuple(value.shape) != target.shape:
+        raise CheckpointLoadError(
+            f"The checkpoint's optimizer state {key!r} of {target.names[0]!r} has shape {tuple(value.shape)}, but the"
+            f" parameter has shape {target.shape}. The optimizer state belongs to another model; nothing was loaded."
+        )
+
+
 def _is_per_element(value: Any, target: Target) -> bool:
-    return isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) == target.shape
+    return isinstance(value, (Tensor, TensorRef)) and value.dim() > 0 and tuple(value.shape) == target.shape
+
+
+def _flat_range(value: Tensor | TensorRef, start: int, stop: int) -> Tensor:
+    if isinstance(value, TensorRef):
+        return value.read_flat(start, stop)
+    return value.reshape(-1)[start:stop]

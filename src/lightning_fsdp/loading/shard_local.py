@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.formats import TensorSource
+from lightning_fsdp.loading.sources import TensorSource
 from lightning_fsdp.loading.validation import LoadPlan, TargetSpec
 
 _FLAT_PARAM_ATTRIBUTES = ("_fqns", "_shapes", "_shard_param_infos", "_shared_param_infos")

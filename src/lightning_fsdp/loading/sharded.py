@@ -16,7 +16,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.formats import _DCP_METADATA_FILENAME, _FABRIC_METADATA_FILENAME, _first_line
+from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
+from lightning_fsdp.loading.torch_pickle import first_line
 
 
 def check_sharded_request(
@@ -36,9 +37,9 @@ def check_sharded_request(
         CheckpointLoadError: If the model's entry is missing, or (with ``strict=True``) a requested optimizer or key.
 
     """
-    if not (path / _DCP_METADATA_FILENAME).is_file():
+    if not (path / DCP_METADATA_FILENAME).is_file():
         raise CheckpointLoadError(
-            f"The sharded checkpoint {str(path)!r} has no `{_DCP_METADATA_FILENAME}` file: the save was interrupted"
+            f"The sharded checkpoint {str(path)!r} has no `{DCP_METADATA_FILENAME}` file: the save was interrupted"
             " or the directory was copied in part."
         )
     stored = stored_entries(path)
@@ -94,7 +95,7 @@ def load_sharded_checkpoint(
 
 def read_sharded_metadata(path: Path, weights_only: bool) -> dict[str, Any]:
     """Read the user's metadata of a sharded checkpoint onto the CPU (an empty dict where there is none)."""
-    metadata_path = path / _FABRIC_METADATA_FILENAME
+    metadata_path = path / FABRIC_METADATA_FILENAME
     if not metadata_path.is_file():
         return {}
     try:
@@ -103,7 +104,7 @@ def read_sharded_metadata(path: Path, weights_only: bool) -> dict[str, Any]:
         fix = " If you trust the file, load it with `weights_only=False`." if weights_only else ""
         raise CheckpointLoadError(
             f"The metadata file {str(metadata_path)!r} of the sharded checkpoint could not be read:"
-            f" {_first_line(error)}.{fix}"
+            f" {first_line(error)}.{fix}"
         ) from None
     if not isinstance(metadata, dict):
         raise CheckpointLoadError(f"The metadata file {str(metadata_path)!r} holds a {type(metadata).__name__}.")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.formats import TensorSpec
+from lightning_fsdp.loading.sources import TensorSpec
 
 #: Prefixes that wrappers add to every name: DDP and DataParallel, ``torch.compile``, Fabric and Lightning modules.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "_forward_module.", "_fsdp_wrapped_module.")

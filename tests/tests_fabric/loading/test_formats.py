@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint, load_torch_file, open_index
-from lightning_fsdp.loading.loader import open_checkpoint
+from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint, load_torch_file, open_checkpoint
+from lightning_fsdp.loading.sources import ByteRangeSource, DictSource
 from tests.tests_fabric.helpers.checkpoints import FORMATS, retag_storages, write_bad_inputs, write_checkpoint
 from tests.tests_fabric.helpers.models import TinyTransformer
 from tests.tests_fabric.helpers.runif import RunIf
@@ -57,19 +57,24 @@ def test_name_does_not_decide_the_format(tmp_path, state_dict):
     assert detect_checkpoint(tmp_path / "weights.safetensors").format is CheckpointFormat.TORCH_ZIP
 
 
-def test_lazy_formats():
-    assert CheckpointFormat.TORCH_ZIP.lazy
-    assert CheckpointFormat.SAFETENSORS.lazy
-    assert not CheckpointFormat.TORCH_LEGACY.lazy
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_only_trusted_pickles_are_read_whole(tmp_path, state_dict, fmt):
+    detected = detect_checkpoint(write_checkpoint(state_dict, tmp_path, fmt))
+    assert not detected.reads_whole(weights_only=True)
+    assert detected.reads_whole(weights_only=False) == (fmt in ("torch-zip", "torch-legacy", "hf-index-bin"))
 
 
 @RunIf(linux_only=True)
-def test_zip_file_is_memory_mapped(tmp_path, state_dict):
-    path = write_checkpoint(state_dict, tmp_path, "torch-zip")
+@pytest.mark.parametrize("fmt", ["torch-zip", "safetensors"])
+def test_files_are_read_by_positioned_reads_not_mapped(tmp_path, state_dict, fmt):
+    """No mapping of the file: a file truncated during a load gives an error, never a SIGBUS."""
+    path = write_checkpoint(state_dict, tmp_path, fmt)
+    opened = open_checkpoint(detect_checkpoint(path), module_key=None, weights_only=True)
+    assert isinstance(opened.source, ByteRangeSource)
+    values = {name: opened.source.read(name) for name in state_dict}
     assert str(path) not in Path("/proc/self/maps").read_text()
-    loaded = load_torch_file(path, CheckpointFormat.TORCH_ZIP, weights_only=True)
-    assert str(path) in Path("/proc/self/maps").read_text()  # backed by the file's pages, not anonymous memory
-    del loaded
+    assert all(torch.equal(values[name], tensor) for name, tensor in state_dict.items())
+    opened.close()
 
 
 def test_cuda_tagged_file_loads_on_cpu(tmp_path):
@@ -83,9 +88,11 @@ def test_cuda_tagged_file_loads_on_cpu(tmp_path):
     retag_storages(path, "cpu", "cuda:0")
     with pytest.raises(RuntimeError, match="CUDA"):  # what a plain `torch.load` does with such a file here
         torch.load(path, weights_only=True)
-    loaded = load_torch_file(path, CheckpointFormat.TORCH_ZIP, weights_only=True)
+    loaded = load_torch_file(path, weights_only=True)  # read whole (for trusted files)
     assert loaded["weight"].device == torch.device("cpu")
     assert torch.equal(loaded["weight"], torch.arange(6.0).reshape(2, 3))
+    opened = open_checkpoint(detect_checkpoint(path), module_key=None, weights_only=True)  # by byte ranges
+    assert torch.equal(opened.source.read("weight"), torch.arange(6.0).reshape(2, 3))
 
 
 class _Payload:
@@ -126,7 +133,7 @@ def test_index_whose_shard_lacks_a_tensor(tmp_path, state_dict):
     content["weight_map"]["extra.weight"] = next(iter(content["weight_map"].values()))
     index.write_text(json.dumps(content))
     with pytest.raises(CheckpointLoadError, match=r"not in the shard it points to.*extra.weight"):
-        open_index(index, weights_only=True)
+        open_checkpoint(detect_checkpoint(index), module_key=None, weights_only=True)
 
 
 def test_fabric_checkpoint_and_raw_file_told_apart(tmp_path, state_dict):
@@ -140,28 +147,21 @@ def test_fabric_checkpoint_and_raw_file_told_apart(tmp_path, state_dict):
         open_checkpoint(detect_checkpoint(tmp_path / "fabric.ckpt"), module_key="net", weights_only=True)
 
 
-def test_legacy_raw_file_is_read_by_byte_ranges(tmp_path, state_dict):
-    from lightning_fsdp.loading.formats import ByteRangeSource
-    from lightning_fsdp.loading.loader import open_legacy_by_byte_ranges
-
-    path = write_checkpoint(state_dict, tmp_path, "torch-legacy")
-    opened = open_legacy_by_byte_ranges(path, module_key="model", weights_only=True)
+@pytest.mark.parametrize("legacy", [False, True])
+def test_views_and_fabric_checkpoints_are_read_by_byte_ranges(tmp_path, state_dict, legacy):
+    transposed = dict(state_dict, **{"head.weight": state_dict["head.weight"].t().contiguous().t()})
+    path = tmp_path / "fabric.ckpt"
+    adam = {"state": {"head.weight": {"exp_avg": torch.ones(37, 16), "step": torch.tensor(3.0)}}, "param_groups": []}
+    torch.save({"model": transposed, "optimizer": adam}, path, _use_new_zipfile_serialization=not legacy)
+    opened = open_checkpoint(detect_checkpoint(path), module_key="model", weights_only=True)
     assert isinstance(opened.source, ByteRangeSource)
     for name, tensor in state_dict.items():
         assert torch.equal(opened.source.read(name), tensor)
         assert torch.equal(opened.source.read_flat(name, 1, 3), tensor.reshape(-1)[1:3])
-
-
-def test_legacy_files_that_must_be_read_whole(tmp_path, state_dict):
-    from lightning_fsdp.loading.loader import open_legacy_by_byte_ranges
-
-    # A non-contiguous tensor (a transposed view) cannot be read as one byte range.
-    transposed = dict(state_dict, **{"head.weight": state_dict["head.weight"].t().contiguous().t()})
-    torch.save(transposed, tmp_path / "view.pth", _use_new_zipfile_serialization=False)
-    assert open_legacy_by_byte_ranges(tmp_path / "view.pth", module_key=None, weights_only=True) is None
-    # A Fabric checkpoint's other entries (optimizer state) are used as tensors: read whole.
-    torch.save({"model": state_dict}, tmp_path / "fabric.ckpt", _use_new_zipfile_serialization=False)
-    assert open_legacy_by_byte_ranges(tmp_path / "fabric.ckpt", module_key="model", weights_only=True) is None
-    # Both still load, read whole.
-    opened = open_checkpoint(detect_checkpoint(tmp_path / "view.pth"), module_key=None, weights_only=True)
-    assert torch.equal(opened.source.read("head.weight"), state_dict["head.weight"])
+    exp_avg = opened.entries["optimizer"]["state"]["head.weight"]["exp_avg"]
+    assert tuple(exp_avg.shape) == (37, 16)  # a reference, read only where a rank needs it
+    assert torch.equal(exp_avg.read_flat(5, 9), torch.ones(4))
+    # A trusted file (weights_only=False) may hold any object: it is read whole.
+    trusted = open_checkpoint(detect_checkpoint(path), module_key="model", weights_only=False)
+    assert isinstance(trusted.source, DictSource)
+    assert torch.equal(trusted.entries["optimizer"]["state"]["head.weight"]["exp_avg"], torch.ones(37, 16))

@@ -1,0 +1,131 @@
+"""Read and check the header of a ``.safetensors`` file: where each tensor's bytes are, proven before any is read.
+
+A safetensors file is an 8-byte little-endian header size, a JSON header that maps each name to its dtype, shape and
+byte range, and the tensors' bytes. The header is checked as the safetensors library checks it, and once for every
+reader (loading, ``inspect`` and ``convert``): every name once, a known dtype, non-negative integer dimensions,
+``dtype size x elements = bytes``, and byte ranges that cover the data exactly, in order, without gaps or overlaps.
+
+Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.files import read_exactly, require_regular_file
+from lightning_fsdp.loading.sources import TensorLocation, TensorSpec
+
+#: The safetensors library refuses larger headers; so does this reader.
+_MAX_HEADER_BYTES = 100_000_000
+_HEADER_SIZE_BYTES = 8
+_METADATA_KEY = "__metadata__"
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_safetensors_locations(path: Path) -> dict[str, TensorLocation]:
+    """Where each tensor of a safetensors file is, after checking the whole header against the file.
+
+    Raises:
+        CheckpointLoadError: If the file is not a valid safetensors file; the message says what is wrong.
+
+    """
+    file_size = require_regular_file(path).st_size
+    file = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if file_size < _HEADER_SIZE_BYTES:
+            raise _invalid(path, "it is shorter than the 8-byte header size")
+        size_bytes = bytearray(_HEADER_SIZE_BYTES)
+        read_exactly(file, 0, memoryview(size_bytes), path, "the header size")
+        header_size = int.from_bytes(size_bytes, "little")
+        if header_size > _MAX_HEADER_BYTES or _HEADER_SIZE_BYTES + header_size > file_size:
+            raise _invalid(path, f"its header size ({header_size} bytes) exceeds the file or the limit")
+        header_bytes = bytearray(header_size)
+        read_exactly(file, _HEADER_SIZE_BYTES, memoryview(header_bytes), path, "the header")
+    finally:
+        os.close(file)
+    try:
+        header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        raise _invalid(path, f"its header is not valid JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise _invalid(path, "its header is not a JSON object")
+    metadata = header.pop(_METADATA_KEY, {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _invalid(path, "its `__metadata__` is not a map of strings")
+
+    data_start = _HEADER_SIZE_BYTES + header_size
+    entries = sorted((_entry(path, name, value) for name, value in header.items()), key=lambda entry: entry[1])
+    locations = {}
+    expected_begin = 0
+    for name, begin, end, spec in entries:
+        if begin != expected_begin:
+            raise _invalid(path, f"the bytes of {name!r} do not follow the previous tensor's (gap or overlap)")
+        expected_begin = end
+        locations[name] = TensorLocation(path, data_start + begin, end - begin, spec)
+    if data_start + expected_begin != file_size:
+        raise _invalid(path, f"its tensors cover {expected_begin} bytes but the file holds {file_size - data_start}")
+    return locations
+
+
+def _entry(path: Path, name: str, value: Any) -> tuple[str, int, int, TensorSpec]:
+    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
+        raise _invalid(path, f"the entry of {name!r} is not {{dtype, shape, data_offsets}}")
+    dtype = _DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
+    if dtype is None:
+        raise _invalid(path, f"the tensor {name!r} has dtype {value['dtype']!r}, which lightning-fsdp does not read")
+    shape, offsets = value["shape"], value["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(size) for size in shape):
+        raise _invalid(path, f"the tensor {name!r} has an invalid shape {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(offset) for offset in offsets):
+        raise _invalid(path, f"the tensor {name!r} has invalid data offsets {offsets!r}")
+    begin, end = offsets
+    spec = TensorSpec(tuple(shape), dtype)
+    if end < begin or end - begin != math.prod(shape) * dtype.itemsize:
+        raise _invalid(
+            path,
+            f"the tensor {name!r} of shape {tuple(shape)} and dtype {value['dtype']} spans {end - begin}"
+            " bytes, not its size",
+        )
+    return name, begin, end, spec
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"the name {key!r} appears twice")
+        result[key] = value
+    return result
+
+
+def _invalid(path: Path, reason: str) -> CheckpointLoadError:
+    return CheckpointLoadError(
+        f"The safetensors file {str(path)!r} is invalid: {reason}. It looks truncated or corrupt; re-copy or re-save"
+        " it."
+    )

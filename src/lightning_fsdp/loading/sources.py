@@ -1,0 +1,339 @@
+"""Named tensors read from checkpoint files by exact, proven byte ranges.
+
+Every tensor that a file holds is described by a :class:`TensorLocation`: where its storage's bytes are in the file
+(as the file's own structure says: the zip directory, the safetensors header, the legacy pickles), and how the tensor
+sits in that storage. A :class:`ByteRangeSource` reads those bytes with positioned reads into fresh memory, so a rank
+touches only its own slices, memory never grows with the file, and a file that shrinks or changes during a load gives
+an error instead of a ``SIGBUS``.
+
+Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+"""
+
+import math
+import mmap
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.files import read_exactly, require_regular_file
+
+#: Reads at least this large get an anonymous mapping of their own (see :meth:`ByteRangeSource.read_flat`).
+_OWN_MAPPING_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The shape and dtype of a tensor in a checkpoint, known without reading its data."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class TensorSource(ABC):
+    """Named tensors that can be read whole or as a range of their flattened elements.
+
+    A range read returns only the elements asked for, so a rank reads only the bytes of its own shard.
+
+    """
+
+    @abstractmethod
+    def specs(self) -> Mapping[str, TensorSpec]:
+        """Shape and dtype of every tensor, read from the file's metadata without reading tensor data."""
+
+    @abstractmethod
+    def read(self, name: str) -> torch.Tensor:
+        """Return the whole tensor."""
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Return elements ``[start, stop)`` of the flattened tensor."""
+        return self.read(name).reshape(-1)[start:stop]
+
+    @abstractmethod
+    def check_unchanged(self) -> None:
+        """Raise if a file this source reads changed since it was opened."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release open files and memory."""
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a tensor's elements are in a file: a storage's byte range, and the tensor's place in that storage."""
+
+    file: Path
+    storage_offset: int
+    """Absolute byte offset of the storage's first byte in ``file``."""
+    storage_nbytes: int
+    spec: TensorSpec
+    element_offset: int = 0
+    """The tensor's first element within the storage."""
+    stride: tuple[int, ...] | None = None
+    """The tensor's strides, or ``None`` when it is contiguous."""
+
+    def check(self, name: str, file_size: int) -> None:
+        """Raise if the tensor does not fit in its storage, or the storage not in the file."""
+        if self.storage_offset < 0 or self.storage_offset + self.storage_nbytes > file_size:
+            raise _out_of_bounds(self.file, name, "its bytes lie outside the file")
+        if self.element_offset < 0 or any(size < 0 for size in self.spec.shape):
+            raise _out_of_bounds(self.file, name, "it has a negative size or offset")
+        if self.spec.numel == 0:
+            return
+        strides = self.stride if self.stride is not None else _contiguous_strides(self.spec.shape)
+        if any(step < 0 for step in strides):
+            raise _out_of_bounds(self.file, name, "it has a negative stride")
+        last = self.element_offset + sum((size - 1) * step for size, step in zip(self.spec.shape, strides, strict=True))
+        if (last + 1) * self.spec.dtype.itemsize > self.storage_nbytes:
+            raise _out_of_bounds(self.file, name, "it needs more bytes than its storage holds")
+
+
+class ByteRangeSource(TensorSource):
+    """Tensors read with positioned reads of exactly the bytes asked for: nothing is mapped or cached.
+
+    Each file is opened once (and checked to be a regular file); every location is checked against the file's size
+    when the source is made. Each read returns fresh memory holding only the requested elements.
+
+    """
+
+    def __init__(self, locations: Mapping[str, TensorLocation]) -> None:
+        self._locations = dict(locations)
+        self._specs = {name: location.spec for name, location in self._locations.items()}
+        self._files: dict[Path, tuple[int, os.stat_result]] = {}
+        try:
+            for name, location in self._locations.items():
+                location.check(name, self._open(location.file)[1].st_size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, path: Path) -> tuple[int, os.stat_result]:
+        if path not in self._files:
+            require_regular_file(path)
+            # O_NONBLOCK: should the path have become a FIFO since the check, opening it must not block.
+            file = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            info = os.fstat(file)
+            self._files[path] = (file, info)
+            require_regular_file(path)  # the path, not only the descriptor, is checked once more after opening
+        return self._files[path]
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def read(self, name: str) -> torch.Tensor:
+        location = self._locations[name]
+        if location.stride is None:
+            return self.read_flat(name, 0, location.spec.numel).view(location.spec.shape)
+        # A view with its own strides: read the span of the storage it covers, and view it the same way.
+        span = 0
+        if location.spec.numel:
+            span = 1 + sum((size - 1) * step for size, step in zip(location.spec.shape, location.stride, strict=True))
+        data = self._read_elements(name, location, location.element_offset, span)
+        return data.as_strided(location.spec.shape, location.stride).clone()
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        location = self._locations[name]
+        if location.stride is not None:
+            return self.read(name).reshape(-1)[start:stop]
+        stop = min(stop, location.spec.numel)
+        start = min(max(start, 0), stop)
+        return self._read_elements(name, location, location.element_offset + start, stop - start)
+
+    def _read_elements(self, name: str, location: TensorLocation, first: int, count: int) -> torch.Tensor:
+        dtype = location.spec.dtype
+        nbytes = count * dtype.itemsize
+        if nbytes <= 0:
+            return torch.empty(0, dtype=dtype)
+        # Large reads get memory of their own, returned to the system as soon as the tensor is dropped: from the heap,
+        # freed blocks of this size tend to stay resident and the process would grow with every read.
+        buffer = mmap.mmap(-1, nbytes) if nbytes >= _OWN_MAPPING_BYTES else bytearray(nbytes)
+        file, _ = self._open(location.file)
+        offset = location.storage_offset + first * dtype.itemsize
+        read_exactly(file, offset, memoryview(buffer), location.file, f"the tensor {name!r}")
+        return torch.frombuffer(buffer, dtype=dtype)
+
+    def check_unchanged(self) -> None:
+        for path, (file, opened) in self._files.items():
+            now = os.fstat(file)
+            try:
+                at_path = os.stat(path)
+            except OSError:
+                at_path = None
+            same_file = at_path is not None and (at_path.st_dev, at_path.st_ino) == (opened.st_dev, opened.st_ino)
+            if not same_file or _fingerprint(now) != _fingerprint(opened):
+                raise CheckpointLoadError(
+                    f"The file {str(path)!r} was changed while it was being loaded (it was rewritten, replaced or"
+                    " truncated), so what was read may mix two versions. Do not write a checkpoint while it is being"
+                    " loaded; load it again once it is complete."
+                )
+
+    def close(self) -> None:
+        for file, _ in self._files.values():
+            os.close(file)
+        self._files.clear()
+
+
+class DictSource(TensorSource):
+    """Tensors from an in-memory state dict (a checkpoint that had to be read whole)."""
+
+    def __init__(self, state_dict: Mapping[str, Any]) -> None:
+        check_state_dict(state_dict)
+        self._state_dict = state_dict
+        self._specs = {name: TensorSpec(tuple(t.shape), t.dtype) for name, t in state_dict.items()}
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._state_dict[name]
+
+    def check_unchanged(self) -> None:
+        pass  # read whole before the load began: nothing can change under it
+
+    def close(self) -> None:
+        self._state_dict = {}
+
+
+class MergedSource(TensorSource):
+    """Several sources seen as one (the shards of a Hugging Face index)."""
+
+    def __init__(self, sources: list[TensorSource]) -> None:
+        self._sources = sources
+        self._owner: dict[str, TensorSource] = {}
+        self._specs: dict[str, TensorSpec] = {}
+        for source in sources:
+            for name, spec in source.specs().items():
+                self._owner[name] = source
+                self._specs[name] = spec
+
+    def specs(self) -> Mapping[str, TensorSpec]:
+        return self._specs
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._owner[name].read(name)
+
+    def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._owner[name].read_flat(name, start, stop)
+
+    def check_unchanged(self) -> None:
+        for source in self._sources:
+            source.check_unchanged()
+
+    def close(self) -> None:
+        for source in self._sources:
+            source.close()
+
+
+class TensorRef:
+    """A tensor of a checkpoint that has not been read: its shape and dtype, and how to read all or part of it.
+
+    Entries of a checkpoint other than the module's state (optimizer states, a step counter) hold these instead of
+    tensors, so that each rank reads only the slices it keeps.
+
+    """
+
+    def __init__(self, source: TensorSource, name: str) -> None:
+        self.source = source
+        self.name = name
+        self.spec = source.specs()[name]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.spec.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    def dim(self) -> int:
+        return len(self.spec.shape)
+
+    def numel(self) -> int:
+        return self.spec.numel
+
+    def read(self) -> torch.Tensor:
+        return self.source.read(self.name)
+
+    def read_flat(self, start: int, stop: int) -> torch.Tensor:
+        return self.source.read_flat(self.name, start, stop)
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.name!r}, shape={tuple(self.spec.shape)}, dtype={self.spec.dtype})"
+
+
+def materialize(obj: Any) -> Any:
+    """A copy of ``obj`` with every :class:`TensorRef` read and every tensor cloned (it outlives its source)."""
+    if isinstance(obj, TensorRef):
+        return obj.read().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, Mapping):
+        return {key: materialize(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [materialize(value) for value in obj]
+    if isinstance(obj, tuple):
+        return tuple(materialize(value) for value in obj)
+    return obj
+
+
+def walk_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every tensor (or :class:`TensorRef`) in nested dicts, lists and tuples, with a dotted path to it."""
+    if isinstance(obj, (torch.Tensor, TensorRef)):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from walk_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from walk_tensors(value, f"{prefix}.{index}" if prefix else str(index))
+
+
+def check_state_dict(state_dict: Mapping[Any, Any]) -> None:
+    """Raise if a module state dict has names that are not strings, or values that are not tensors."""
+    not_names = [key for key in state_dict if not isinstance(key, str)]
+    if not_names:
+        shown = ", ".join(f"{key!r} ({type(key).__name__})" for key in not_names[:5])
+        raise CheckpointLoadError(
+            f"The state dict has {len(not_names)} key(s) that are not names: {shown}. A module state dict maps"
+            " parameter and buffer names (strings) to tensors."
+        )
+    not_tensors = {k: type(v).__name__ for k, v in state_dict.items() if not isinstance(v, (torch.Tensor, TensorRef))}
+    if not_tensors:
+        shown = ", ".join(f"{k!r} ({t})" for k, t in list(not_tensors.items())[:5])
+        raise CheckpointLoadError(
+            f"The state dict holds {len(not_tensors)} value(s) that are not tensors where tensors are expected:"
+            f" {shown}{', ...' if len(not_tensors) > 5 else ''}. A module state dict maps parameter and buffer"
+            " names to tensors."
+        )
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _fingerprint(info: os.stat_result) -> tuple[int, int]:
+    return info.st_size, info.st_mtime_ns
+
+
+def _out_of_bounds(path: Path, name: str, reason: str) -> CheckpointLoadError:
+    return CheckpointLoadError(
+        f"The file {str(path)!r} is corrupt: the tensor {name!r} cannot be read because {reason}. Re-copy or re-save"
+        " the checkpoint."
+    )

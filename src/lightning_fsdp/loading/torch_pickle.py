@@ -1,0 +1,187 @@
+"""Read the structure of a ``torch.save`` file (zip format) and prove where each tensor's bytes are.
+
+The object is unpickled with every storage on the meta device, through torch's weights-only unpickler unless the
+caller trusts the file, so nothing but tensors and plain containers is built and no tensor data is read. Each storage
+the pickle names is then matched with its zip record (:mod:`~lightning_fsdp.loading.zip_records`), whose size must be
+exactly what the pickle says the storage holds.
+
+Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+"""
+
+import io
+import os
+import pickle
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.files import require_regular_file
+from lightning_fsdp.loading.sources import TensorLocation, TensorSpec
+from lightning_fsdp.loading.zip_records import read_record, read_zip_records, verify_record_crc
+
+
+@dataclass(frozen=True)
+class StorageBytes:
+    """Where the bytes of one storage of a ``torch.save`` file are."""
+
+    offset: int
+    """Absolute byte offset in the file."""
+    nbytes: int
+
+
+@dataclass
+class TorchFileStructure:
+    """A ``torch.save`` file's object, with tensors on the meta device, and where each storage's bytes are."""
+
+    path: Path
+    content: Any
+    storages: dict[int, StorageBytes]
+    """Storage (by its ``_cdata``) -> its bytes in the file."""
+
+    def locate(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorLocation]:
+        """Where the bytes of each of ``tensors`` (taken from :attr:`content`) are.
+
+        Raises:
+            CheckpointLoadError: If a tensor is not backed by a storage of the file (a sparse or otherwise rebuilt
+                tensor), or does not fit in its storage.
+
+        """
+        locations = {}
+        for name, tensor in tensors.items():
+            storage = self.storages.get(tensor.untyped_storage()._cdata)
+            if storage is None or tensor.layout is not torch.strided:
+                raise CheckpointLoadError(
+                    f"The tensor {name!r} in {str(self.path)!r} is not a plain dense tensor backed by the file's"
+                    " storages (sparse, quantized or rebuilt from other objects), which lightning-fsdp does not load."
+                    " Save a state dict of dense tensors."
+                )
+            spec = TensorSpec(tuple(tensor.shape), tensor.dtype)
+            stride = None if tensor.is_contiguous() else tuple(tensor.stride())
+            location = TensorLocation(
+                self.path, storage.offset, storage.nbytes, spec, element_offset=tensor.storage_offset(), stride=stride
+            )
+            location.check(name, os.stat(self.path).st_size)
+            locations[name] = location
+        return locations
+
+
+def read_zip_structure(path: Path, weights_only: bool, verify_crc: bool = False) -> TorchFileStructure:
+    """Unpickle a zip-format ``torch.save`` file's object with tensors on the meta device, and locate its storages.
+
+    Args:
+        path: The file.
+        weights_only: Unpickle only tensors and plain containers.
+        verify_crc: Check every storage record against its CRC too (reads the whole file once, a few MiB at a time).
+
+    Raises:
+        CheckpointLoadError: If the file is unsafe (with ``weights_only``), corrupt, truncated, or its pickle and its
+            records disagree.
+
+    """
+    info = require_regular_file(path)
+    file = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        records = read_zip_records(path, file, info.st_size)
+        pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]
+        if len(pickles) != 1:
+            raise CheckpointLoadError(
+                f"The file {str(path)!r} is a zip archive but not a `torch.save` checkpoint: it has"
+                f" {len(pickles)} `data.pkl` records where torch writes one. Its records: {_names(records)}."
+            )
+        prefix = pickles[0].removesuffix("data.pkl")
+        byteorder = records.get(f"{prefix}byteorder")
+        if byteorder is not None and read_record(path, file, byteorder) != b"little":
+            raise CheckpointLoadError(
+                f"The file {str(path)!r} was saved on a big-endian machine, which lightning-fsdp does not read. Load it"
+                " with `torch.load` and save it again on this machine."
+            )
+        data = read_record(path, file, records[pickles[0]])
+        storages: dict[int, StorageBytes] = {}
+        by_key: dict[str, torch.TypedStorage] = {}
+
+        def persistent_load(saved_id: Any) -> torch.TypedStorage:
+            if not isinstance(saved_id, tuple) or len(saved_id) != 5 or _ascii(saved_id[0]) != "storage":
+                raise CheckpointLoadError(f"The file {str(path)!r} names an unknown kind of persistent object.")
+            _, storage_type, key, _location, numel = saved_id
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else getattr(storage_type, "dtype", None)
+            key = _ascii(key)
+            if not isinstance(dtype, torch.dtype) or not isinstance(numel, int) or numel < 0:
+                raise CheckpointLoadError(f"The file {str(path)!r} describes the storage {key!r} inconsistently.")
+            if key in by_key:
+                return by_key[key]
+            record = records.get(f"{prefix}data/{key}")
+            nbytes = numel * dtype.itemsize
+            if record is None or not record.stored or record.size != nbytes:
+                found = "no record" if record is None else f"a record of {record.size} bytes"
+                if record is not None and not record.stored:
+                    found = "a compressed record"
+                raise CheckpointLoadError(
+                    f"The file {str(path)!r} is corrupt: its pickle says the storage {key!r} holds {nbytes} bytes, but"
+                    f" the archive has {found} for it. Re-copy or re-save the checkpoint."
+                )
+            if verify_crc:
+                verify_record_crc(path, file, record)
+            untyped = torch.UntypedStorage(nbytes, device="meta")
+            storage = torch.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+            storages[untyped._cdata] = StorageBytes(record.data_offset, nbytes)
+            by_key[key] = storage
+            return storage
+
+        with unpickling_errors(path, weights_only):
+            unpickler = unpickler_class(weights_only)(io.BytesIO(data), encoding="utf-8")
+            unpickler.persistent_load = persistent_load
+            content = unpickler.load()
+        return TorchFileStructure(path, content, storages)
+    finally:
+        os.close(file)
+
+
+def unpickler_class(weights_only: bool) -> type:
+    """Torch's weights-only unpickler (tensors and plain containers only), or the plain one for trusted files."""
+    if weights_only:
+        from torch._weights_only_unpickler import Unpickler
+
+        return Unpickler
+    return pickle.Unpickler
+
+
+@contextmanager
+def unpickling_errors(path: Path, weights_only: bool) -> Iterator[None]:
+    """Turn whatever unpickling a bad or unsafe file raises into one :class:`CheckpointLoadError` that says why."""
+    try:
+        yield
+    except CheckpointLoadError:
+        raise
+    except pickle.UnpicklingError as error:
+        if weights_only:
+            raise CheckpointLoadError(
+                f"Refused to unpickle {str(path)!r}: it holds objects other than tensors and plain containers, which"
+                " could run code when loaded (the payload was not run), or it is corrupt. If you trust the file and"
+                f" its author, load it with `weights_only=False`. Details: {first_line(error)}"
+            ) from None
+        raise CheckpointLoadError(f"The file {str(path)!r} is not a readable `torch.save` file: {error}") from None
+    except Exception as error:  # a damaged pickle can raise nearly anything
+        raise CheckpointLoadError(
+            f"The file {str(path)!r} could not be read as a `torch.save` checkpoint: it looks truncated or corrupt"
+            f" ({type(error).__name__}: {first_line(error)}). Re-copy or re-save it."
+        ) from None
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (or its type's name), for one-line error messages."""
+    text = str(error).strip()
+    return text.splitlines()[0][:500] if text else type(error).__name__
+
+
+def _ascii(value: Any) -> Any:
+    return value.decode("ascii") if isinstance(value, bytes) else value
+
+
+def _names(records: Mapping[str, Any], shown: int = 5) -> str:
+    names = list(records)
+    return ", ".join(repr(name) for name in names[:shown]) + (", ..." if len(names) > shown else "")

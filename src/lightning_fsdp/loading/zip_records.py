@@ -1,0 +1,133 @@
+"""Where each record of a zip archive (a ``torch.save`` file) really is, proven from the archive's own headers.
+
+The central directory says where each record's local header starts and how long its data is; the local header says
+where the data starts. Both are checked against each other and against the file: the data of every record lies inside
+the file and before the central directory, and no two records overlap. Records whose bytes are read by range must be
+stored uncompressed (``torch.save`` always stores them so).
+
+Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+"""
+
+import itertools
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.files import read_exactly
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
+_LOCAL_HEADER_SIGNATURE = b"PK\x03\x04"
+_ENCRYPTED_FLAG = 0x1
+_UTF8_FLAG = 0x800
+#: Bytes hashed per read when a record's CRC is checked (the record is streamed, never held whole).
+_CRC_CHUNK_BYTES = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class ZipRecord:
+    """One record of a zip archive, located from its central-directory entry and its local header."""
+
+    name: str
+    data_offset: int
+    """The absolute offset of the record's first data byte in the file."""
+    size: int
+    """The record's size once uncompressed (``torch.save``'s records: its size in the file)."""
+    stored: bool
+    """Whether the data is stored uncompressed, so that any byte range of it can be read in place."""
+    crc: int
+
+
+def read_zip_records(path: Path, file: int, file_size: int) -> dict[str, ZipRecord]:
+    """Read and check the directory of the zip archive open as ``file`` (a file descriptor of ``path``).
+
+    Raises:
+        CheckpointLoadError: If the archive is truncated or corrupt, encrypted, or its headers contradict each other
+            (records outside the file, overlapping, or whose local header disagrees with the central directory).
+
+    """
+    try:
+        with open(file, "rb", closefd=False) as handle, zipfile.ZipFile(handle) as archive:
+            infos = archive.infolist()
+            directory_start = archive.start_dir
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, struct.error) as error:
+        raise _corrupt(path, f"its zip directory is unreadable: {error}") from None
+
+    records: dict[str, ZipRecord] = {}
+    spans: list[tuple[int, int, str]] = []
+    for info in infos:
+        if info.filename in records:
+            raise _corrupt(path, f"the record {info.filename!r} appears twice in its zip directory")
+        if info.flag_bits & _ENCRYPTED_FLAG:
+            raise _corrupt(path, f"the record {info.filename!r} is encrypted")
+        header = bytearray(_LOCAL_HEADER.size)
+        if info.header_offset < 0 or info.header_offset + len(header) > file_size:
+            raise _corrupt(path, f"the local header of {info.filename!r} lies outside the file")
+        read_exactly(file, info.header_offset, memoryview(header), path, f"the zip header of {info.filename!r}")
+        signature, _, _, method, _, _, _, _, _, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+        if signature != _LOCAL_HEADER_SIGNATURE:
+            raise _corrupt(path, f"the central directory points {info.filename!r} at bytes that are no local header")
+        name = bytearray(name_length)
+        read_exactly(file, info.header_offset + len(header), memoryview(name), path, "a zip record name")
+        if bytes(name).decode("utf-8" if info.flag_bits & _UTF8_FLAG else "cp437", "replace") != info.orig_filename:
+            raise _corrupt(path, f"the local header of {info.filename!r} names another record")
+        if method != info.compress_type:
+            raise _corrupt(path, f"the local header of {info.filename!r} disagrees on the compression")
+        data_offset = info.header_offset + len(header) + name_length + extra_length
+        data_end = data_offset + info.compress_size
+        if data_end > directory_start or data_end > file_size:
+            raise _corrupt(path, f"the data of {info.filename!r} runs past the end of the records")
+        stored = info.compress_type == zipfile.ZIP_STORED
+        if stored and info.compress_size != info.file_size:
+            raise _corrupt(path, f"the stored record {info.filename!r} has two different sizes")
+        records[info.filename] = ZipRecord(info.filename, data_offset, info.file_size, stored, info.CRC)
+        spans.append((info.header_offset, data_end, info.filename))
+    spans.sort()
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            raise _corrupt(path, f"the records {first!r} and {second!r} overlap")
+    return records
+
+
+def read_record(path: Path, file: int, record: ZipRecord) -> bytes:
+    """Read a whole record (decompressing it if needed) and check its CRC."""
+    if record.stored:
+        data = bytearray(record.size)
+        read_exactly(file, record.data_offset, memoryview(data), path, f"the zip record {record.name!r}")
+        _check_crc(path, record, zlib.crc32(data))
+        return bytes(data)
+    try:
+        with open(file, "rb", closefd=False) as handle, zipfile.ZipFile(handle) as archive:
+            return archive.read(record.name)  # zipfile checks the CRC of what it decompresses
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, zlib.error) as error:
+        raise _corrupt(path, f"the record {record.name!r} cannot be decompressed: {error}") from None
+
+
+def verify_record_crc(path: Path, file: int, record: ZipRecord) -> None:
+    """Stream a record and check it against the CRC in its header, holding at most a few MiB at a time."""
+    if not record.stored:
+        read_record(path, file, record)
+        return
+    crc = 0
+    buffer = bytearray(min(record.size, _CRC_CHUNK_BYTES))
+    position = 0
+    while position < record.size:
+        view = memoryview(buffer)[: min(len(buffer), record.size - position)]
+        read_exactly(file, record.data_offset + position, view, path, f"the zip record {record.name!r}")
+        crc = zlib.crc32(view, crc)
+        position += len(view)
+    _check_crc(path, record, crc)
+
+
+def _check_crc(path: Path, record: ZipRecord, crc: int) -> None:
+    if crc != record.crc:
+        raise _corrupt(path, f"the record {record.name!r} does not match its checksum (CRC)")
+
+
+def _corrupt(path: Path, reason: str) -> CheckpointLoadError:
+    return CheckpointLoadError(
+        f"The file {str(path)!r} could not be read as a `torch.save` checkpoint: {reason}. It looks truncated or"
+        " corrupt; re-copy or re-save it."
+    )
