@@ -128,10 +128,11 @@ def _sniff_file(path: Path) -> CheckpointFormat:
         head = file.read(16)
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         return CheckpointFormat.TORCH_ZIP
-    if head.startswith(b"\x80"):  # a pickle (protocol 2+): torch's legacy format starts with its pickled magic number
-        return CheckpointFormat.TORCH_LEGACY
+    # Before the pickle check: a safetensors header size can start with the byte 0x80 (a header of 128 bytes).
     if len(head) > 8 and head[8:9] == b"{" and 8 + int.from_bytes(head[:8], "little") <= size:
         return CheckpointFormat.SAFETENSORS
+    if head.startswith(b"\x80"):  # a pickle (protocol 2+): torch's legacy format starts with its pickled magic number
+        return CheckpointFormat.TORCH_LEGACY
     if head.lstrip()[:1] == b"{":
         return CheckpointFormat.HF_INDEX
     raise CheckpointLoadError(

@@ -143,8 +143,9 @@ def _load_file(
         except Exception as error:
             raise CheckpointLoadError(
                 f"Writing the checkpoint into the model failed after it was validated: {error} The model"
-                f"{' and optimizer' if request.optimizers else ''} are now partially loaded on this rank (other"
-                " ranks may have finished): load the checkpoint again before using them."
+                f"{' and optimizer' if request.optimizers else ''} on the failing rank are now partially loaded, and"
+                " the other ranks may have loaded fully, so the ranks differ: load the checkpoint again before using"
+                " the model."
             ) from error
         requested = {key: opened.entries[key] for key in request.metadata_keys if key in opened.entries}
         remainder = {
