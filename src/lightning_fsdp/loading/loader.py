@@ -8,8 +8,8 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the body of `
 """
 
 import math
-from collections.abc import Mapping
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +26,7 @@ from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.shard_local import ModuleTargets, ShardLocalUnsupported, collect_targets, copy_into_module
 from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint
 from lightning_fsdp.loading.sources import materialize
+from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
 from lightning_fsdp.loading.validation import LoadPlan, TargetSpec, plan_load
 
@@ -111,7 +112,7 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
         progress=bar,
         description=f"Loading {str(path)!r}",
     )
-    with bar, stagger:
+    with bar, stagger, _one_error_type():
         detected = detect_checkpoint(path)
         if detected.format is CheckpointFormat.FABRIC_SHARDED:
             return _load_sharded(path, request, stagger)
@@ -122,6 +123,17 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
         # FSDP's own path (collected is None) runs collectives, which must never run inside a turn.
         opened = open_checkpoint(detected, request.module_key, request.weights_only)
         return _load_file(request, opened, collected, ranks, bar, stagger)
+
+
+@contextmanager
+def _one_error_type() -> Iterator[None]:
+    """Every failure of a load is a :class:`CheckpointLoadError` with a short message; the cause stays chained."""
+    try:
+        yield
+    except CheckpointLoadError:
+        raise
+    except Exception as error:
+        raise CheckpointLoadError(f"{type(error).__name__}: {first_line(error)}") from error
 
 
 def _load_file(

@@ -124,7 +124,12 @@ class ByteRangeSource(TensorSource):
         if path not in self._files:
             require_regular_file(path)
             # O_NONBLOCK: should the path have become a FIFO since the check, opening it must not block.
-            file = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            try:
+                file = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            except OSError as error:
+                raise CheckpointLoadError(
+                    f"The checkpoint file {str(path)!r} cannot be opened: {error.strerror or error}."
+                ) from None
             info = os.fstat(file)
             self._files[path] = (file, info)
             require_regular_file(path)  # the path, not only the descriptor, is checked once more after opening
