@@ -22,6 +22,7 @@ import io
 import os
 import pathlib
 import pickle
+import re
 import stat
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -54,6 +55,7 @@ from lightning_fsdp.loading.formats import _DCP_METADATA_FILENAME, _FABRIC_METAD
 
 _T = TypeVar("_T")
 _SHOWN = 5
+_WEIGHTS_ONLY_REASON = "WeightsUnpickler error:"
 #: The classes that torch pickles into a DCP ``.metadata`` file (``torch.distributed.checkpoint.metadata`` and the
 #: file system reader's storage records), and the plain types they hold. Nothing else may be unpickled from it.
 _METADATA_CLASSES: tuple[Any, ...] = (
@@ -314,9 +316,17 @@ class _WeightsOnlyBytes:
         try:
             obj = torch.load(value, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as error:
+            reason = _unpickling_reason(error)
+            refused = re.search(r"GLOBAL (\S+)", reason)
+            if refused is None:
+                raise CheckpointLoadError(
+                    f"The entry {fqn!r} of the sharded checkpoint {str(self._path)!r} could not be read: {reason}."
+                    " It is corrupt: re-copy or re-save the checkpoint."
+                ) from None
             raise CheckpointLoadError(
-                f"Refused to unpickle the entry {fqn!r} of the sharded checkpoint {str(self._path)!r} (the payload"
-                f" was not run): {_first_line(error)}. Load it with `weights_only=False` only if you trust its source."
+                f"Refused to unpickle `{refused[1]}` from the entry {fqn!r} of the sharded checkpoint"
+                f" {str(self._path)!r} (the payload was not run): a non-tensor entry may hold only tensors and plain"
+                " containers. Load it with `weights_only=False` only if you trust its source."
             ) from None
         except Exception as error:
             raise CheckpointLoadError(
@@ -571,12 +581,29 @@ def _dcp_call(what: str, call: Callable[[], _T]) -> _T:
         ranks = tuple(sorted(error.failures))
         causes = [failure[0] for failure in error.failures.values()]
         own = next((cause for cause in causes if isinstance(cause, CheckpointLoadError)), None)
-        detail = str(own) if own is not None else _first_line(causes[0]) if causes else "no details"
+        if own is not None:
+            detail = str(own)
+        elif causes and isinstance(causes[0], pickle.UnpicklingError):
+            detail = (
+                f"{_unpickling_reason(causes[0])}. An entry is corrupt, or is not a tensor as torch writes it: re-copy"
+                " or re-save the checkpoint."
+            )
+        else:
+            detail = _first_line(causes[0]) if causes else "no details"
         raise CheckpointLoadError(
             f"{what} failed on rank(s) {', '.join(map(str, ranks))}: {detail}", failed_ranks=ranks
         ) from error
     except Exception as error:
         raise CheckpointLoadError(f"{what} failed: {_first_line(error)}") from error
+
+
+def _unpickling_reason(error: BaseException) -> str:
+    """The one sentence of ``torch.load``'s weights-only error that says what was refused (it spans a page)."""
+    text = str(error)
+    if _WEIGHTS_ONLY_REASON not in text:
+        return _first_line(error)
+    reason = " ".join(text.split(_WEIGHTS_ONLY_REASON, 1)[1].split())
+    return reason.split(". ", 1)[0].split(" Check the documentation", 1)[0].rstrip(".")
 
 
 def _shape(shape: tuple[int, ...]) -> str:
