@@ -544,13 +544,12 @@ def _optimizer_mismatches(entries: Mapping[str, Any], key: str, model_state: Map
     # FSDP names the state of a parameter `<optimizer>.state.<parameter name>.<state name>`; state that is not a
     # scalar (Adam's `exp_avg`, SGD's `momentum_buffer`) has the parameter's shape.
     prefix = f"{key}.state."
-    names = sorted((name for name, value in model_state.items() if isinstance(value, torch.Tensor)), key=len)
     mismatches = []
     for fqn, entry in entries.items():
         if not fqn.startswith(prefix):
             continue
         rest = fqn[len(prefix) :]
-        owner = next((name for name in reversed(names) if rest.startswith(f"{name}.")), None)
+        owner = _owning_tensor(rest, model_state)
         if owner is None:
             mismatches.append(f"{fqn!r}: state of a parameter the model does not have")
         elif isinstance(entry, TensorStorageMetadata) and entry.size.numel() != 1:
@@ -558,6 +557,16 @@ def _optimizer_mismatches(entries: Mapping[str, Any], key: str, model_state: Map
             if tuple(entry.size) != shape:
                 mismatches.append(f"{fqn!r}: checkpoint {_shape(tuple(entry.size))}, parameter {_shape(shape)}")
     return mismatches
+
+
+def _owning_tensor(name: str, model_state: Mapping[str, Any]) -> str | None:
+    """The longest tensor name of the model that ``name`` extends by at least one dotted part."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:end])
+        if isinstance(model_state.get(candidate), torch.Tensor):
+            return candidate
+    return None
 
 
 def _tensor_mismatch(entry: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str:

@@ -197,6 +197,10 @@ def test_byte_entries_are_unpickled_weights_only(tmp_path):
     assert not marker.exists()
     dcp.load({"blob": None}, storage_reader=FileSystemReader(path), no_dist=True)  # torch's reader runs it
     assert marker.exists()
+    marker.unlink()
+    trusted = CheckedFileSystemReader(path, read_dcp_metadata(path, weights_only=False), weights_only=False)
+    dcp.load({"blob": None}, storage_reader=trusted, no_dist=True)  # and so does a load that trusts the file
+    assert marker.exists()
 
 
 def _load_broken_checkpoints(saved: str, work: str) -> dict[str, str]:
@@ -250,15 +254,26 @@ def _load_broken_checkpoints(saved: str, work: str) -> dict[str, str]:
     with pytest.raises(CheckpointLoadError, match=r"1 missing key\(s\).*'scale'.*pass `strict=False`"):
         fabric.load(path, {"model": model})
     assert_same_state(gather_full_state(model, optimizer), before)
-    skipped = load_sharded_checkpoint(path, model, "model", {}, strict=False)
+    skipped = load_sharded_checkpoint(path, model._forward_module, "model", {}, strict=False)  # as Fabric unwraps it
     assert skipped == "1 missing key(s) left as they were ('scale')"
+    expected = torch.load(f"{saved}.expected", weights_only=True)
+    for name, tensor in gather_full_state(model)["model"].items():
+        assert torch.equal(tensor, (before if name == "scale" else expected)["model"][name]), name
 
-    # The checkpoint itself still loads, bit-exact.
+    # The checkpoint itself still loads, bit-exact, and so it does when the caller trusts it.
     model, optimizer = _setup(fabric, seed=3)
     state = {"model": model, "optimizer": optimizer, "step": 0}
     fabric.load(saved, state)
     assert state["step"] == 3
-    assert_same_state(gather_full_state(model, optimizer), torch.load(f"{saved}.expected", weights_only=True))
+    assert_same_state(gather_full_state(model, optimizer), expected)
+    model, optimizer = _setup(fabric, seed=4)
+    assert (
+        load_sharded_checkpoint(
+            Path(saved), model._forward_module, "model", {"optimizer": optimizer.optimizer}, True, weights_only=False
+        )
+        == ""
+    )
+    assert_same_state(gather_full_state(model, optimizer), expected)
     return messages
 
 
