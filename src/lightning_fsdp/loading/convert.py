@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import (
-    DCP_METADATA_FILENAME,
     FABRIC_METADATA_FILENAME,
     CheckpointFormat,
     OpenedCheckpoint,
@@ -198,14 +197,11 @@ def _metadata_and_skipped(opened: OpenedCheckpoint) -> tuple[dict[str, Any], lis
 
 
 def _sharded_specs(path: Path, weights_only: bool) -> tuple[dict[str, TensorSpec], list[str]]:
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_fsdp.loading.sharded import read_sharded_metadata
+    from lightning_fsdp.loading.sharded import read_dcp_metadata, read_sharded_metadata
 
-    if not (path / DCP_METADATA_FILENAME).is_file():
-        raise CheckpointLoadError(f"The sharded checkpoint {str(path)!r} has no `.metadata` file: it is incomplete.")
-    metadata = FileSystemReader(path).read_metadata()
+    metadata = read_dcp_metadata(path, weights_only)
     specs = {
         fqn: TensorSpec(tuple(entry.size), entry.properties.dtype)
         for fqn, entry in metadata.state_dict_metadata.items()

@@ -9,6 +9,7 @@ Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -102,7 +103,8 @@ def detect_checkpoint(path: str | Path) -> DetectedCheckpoint:
 
 
 def _detect_directory(path: Path) -> DetectedCheckpoint:
-    if (path / DCP_METADATA_FILENAME).exists() or (path / FABRIC_METADATA_FILENAME).exists():
+    # lexists: a `.metadata` that is a FIFO or a dangling link still marks a sharded checkpoint (and is refused there).
+    if os.path.lexists(path / DCP_METADATA_FILENAME) or os.path.lexists(path / FABRIC_METADATA_FILENAME):
         return DetectedCheckpoint(path, CheckpointFormat.FABRIC_SHARDED, tuple(sorted(p for p in path.iterdir())))
     indexes = [path / name for name in _HF_INDEX_FILES if (path / name).exists()]
     indexes += sorted(p for p in path.glob("*.index.json") if p not in indexes)

@@ -179,9 +179,9 @@ def _load_sharded(path: Path, request: LoadRequest, stagger: StaggeredLoad) -> L
     )
     stagger.agree_on_success()  # before the collectives of the distributed checkpoint reader
     present = {k: optimizer for k, optimizer in request.optimizers.items() if k in stored}
-    load_sharded_checkpoint(path, request.module, key, present, request.strict)
+    skipped = load_sharded_checkpoint(path, request.module, key, present, request.strict, request.weights_only)
     requested = {k: metadata.pop(k) for k in request.metadata_keys if k in metadata}
-    return LoadResult(requested, metadata)
+    return LoadResult(requested, metadata, skipped)
 
 
 def _module_targets(module: Module) -> ModuleTargets | None:

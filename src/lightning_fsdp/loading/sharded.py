@@ -1,23 +1,79 @@
 """Load a sharded checkpoint directory (torch distributed checkpoint) into an FSDP module and its optimizers.
 
-Each rank reads only its own shards through torch's distributed checkpoint (DCP) reader. Unlike upstream, the
-metadata file ``meta.pt`` is read with every storage mapped to the CPU, so a file written from ``cuda:0`` never
-touches ``cuda:0`` of another rank, and with ``weights_only=True`` unless the caller asks otherwise.
+Each rank reads only its own shards through torch's distributed checkpoint (DCP) reader, with four guards that
+upstream lacks:
+
+- ``weights_only`` means no code runs: the DCP ``.metadata`` file is unpickled with an allow-list of torch's checkpoint
+  metadata types (torch unpickles it with plain :mod:`pickle`), the non-tensor entries of the ``.distcp`` files with
+  ``torch.load(weights_only=True)`` (torch uses ``weights_only=False``), and ``meta.pt`` with ``weights_only=True``,
+  every storage mapped to the CPU.
+- Every file is a regular file that holds every byte the metadata places in it, checked before anything is opened, so
+  a FIFO or a truncated shard gives an error instead of a hang or a half-read model.
+- The checkpoint's entries (tensor or not, global shape, dtype) are compared with the model's sharded state dict and
+  the optimizers' before anything is read, and everything is read before anything is written: a failed load leaves
+  the model and the optimizers as they were.
+- A failure inside DCP (a ``CheckpointException``, which is a ``BaseException`` with every rank's traceback in its
+  message) is raised as one short :class:`CheckpointLoadError`, with the ranks that failed.
 
 Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the sharded branch of ``load_checkpoint``).
 """
 
-from collections.abc import Iterable, Mapping, Sequence
+import io
+import os
+import pathlib
+import pickle
+import re
+import stat
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.files import require_regular_file
 from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
 from lightning_fsdp.loading.torch_pickle import first_line
+
+_T = TypeVar("_T")
+_SHOWN = 5
+_WEIGHTS_ONLY_REASON = "WeightsUnpickler error:"
+#: The classes that torch pickles into a DCP ``.metadata`` file (``torch.distributed.checkpoint.metadata`` and the
+#: file system reader's storage records), and the plain types they hold. Nothing else may be unpickled from it.
+_METADATA_CLASSES: tuple[Any, ...] = (
+    Metadata,
+    TensorStorageMetadata,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    TensorProperties,
+    MetadataIndex,
+    StorageMeta,
+    _MEM_FORMAT_ENCODING,
+    _StorageInfo,
+    torch.Size,
+    OrderedDict,
+    set,
+    frozenset,
+)
 
 
 def check_sharded_request(
@@ -30,19 +86,20 @@ def check_sharded_request(
 ) -> tuple[dict[str, Any], set[str]]:
     """Check that the checkpoint holds what the caller asks for, before anything is read into the model.
 
+    No collective runs here, so it may run before the ranks agree. The checkpoint's files are checked like
+    :func:`check_storage_files` does.
+
     Returns:
         The user's metadata (``meta.pt``), and the top-level keys whose tensors the checkpoint holds.
 
     Raises:
-        CheckpointLoadError: If the model's entry is missing, or (with ``strict=True``) a requested optimizer or key.
+        CheckpointLoadError: If a file is missing, unsafe or unreadable, or the model's entry is missing, or (with
+            ``strict=True``) a requested optimizer or key.
 
     """
-    if not (path / DCP_METADATA_FILENAME).is_file():
-        raise CheckpointLoadError(
-            f"The sharded checkpoint {str(path)!r} has no `{DCP_METADATA_FILENAME}` file: the save was interrupted"
-            " or the directory was copied in part."
-        )
-    stored = stored_entries(path)
+    dcp_metadata = read_dcp_metadata(path, weights_only)
+    check_storage_files(path, dcp_metadata)
+    stored = _top_level_keys(dcp_metadata)
     metadata = read_sharded_metadata(path, weights_only)
     entries = ", ".join(repr(key) for key in sorted(stored | set(map(str, metadata))))
     if module_key not in stored:
@@ -61,43 +118,143 @@ def check_sharded_request(
     return metadata, stored
 
 
-def stored_entries(path: Path) -> set[str]:
+def stored_entries(path: Path, weights_only: bool = True) -> set[str]:
     """The top-level keys whose tensors a sharded checkpoint holds (``model``, ``optimizer``, ...)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    return _top_level_keys(read_dcp_metadata(path, weights_only))
 
-    return {fqn.split(".", 1)[0] for fqn in FileSystemReader(path).read_metadata().state_dict_metadata}
+
+def read_dcp_metadata(path: Path, weights_only: bool = True) -> Metadata:
+    """Read and check the ``.metadata`` file of a sharded checkpoint, without running code from it.
+
+    Use this instead of ``FileSystemReader(path).read_metadata()``, which unpickles the file with plain :mod:`pickle`.
+
+    Args:
+        path: The checkpoint directory.
+        weights_only: Unpickle only the classes of torch's checkpoint metadata (the default). ``False`` unpickles
+            anything: only for a checkpoint you trust.
+
+    Raises:
+        CheckpointLoadError: If the file is missing, not a regular file, holds another type (its payload is not
+            run), or is not consistent (a storage record outside the directory, a chunk outside its tensor, ...).
+
+    """
+    file = path / DCP_METADATA_FILENAME
+    if not os.path.lexists(file):
+        raise CheckpointLoadError(
+            f"The sharded checkpoint {str(path)!r} has no `{DCP_METADATA_FILENAME}` file: the save was interrupted"
+            " or the directory was copied in part."
+        )
+    with _open_regular_file(file, "metadata file of the sharded checkpoint") as stream:
+        try:
+            metadata = (_MetadataUnpickler(stream) if weights_only else pickle.Unpickler(stream)).load()
+        except _RefusedGlobal as refused:
+            raise CheckpointLoadError(
+                f"Refused to unpickle `{refused}` from the sharded checkpoint's metadata file {str(file)!r} (the"
+                " payload was not run): this file holds only torch's checkpoint metadata types, so it was crafted or"
+                " is not a checkpoint. Load it with `weights_only=False` only if you trust its source."
+            ) from None
+        except Exception as error:
+            raise CheckpointLoadError(
+                f"The metadata file {str(file)!r} of the sharded checkpoint could not be read: {first_line(error)}."
+                " It is truncated or corrupt: re-copy or re-save the checkpoint."
+            ) from None
+    try:
+        problems = _metadata_problems(metadata)
+    except (AttributeError, TypeError) as error:  # a record unpickled without its fields
+        problems = [f"a record is incomplete ({first_line(error)})"]
+    if problems:
+        raise CheckpointLoadError(
+            f"The metadata file {str(file)!r} of the sharded checkpoint is not valid: {_first(problems)}. It is"
+            " corrupt or was crafted: re-copy or re-save the checkpoint."
+        )
+    return metadata
+
+
+def check_storage_files(path: Path, metadata: Metadata) -> None:
+    """Check that every file the metadata refers to is a regular file that holds every byte placed in it.
+
+    Raises:
+        CheckpointLoadError: If a shard file is missing, is a FIFO, device or directory, or is shorter than the
+            offset plus length of an entry stored in it.
+
+    """
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = path / name
+        size = require_regular_file(file, "shard file of the sharded checkpoint").st_size
+        if size < end:
+            raise CheckpointLoadError(
+                f"The shard file {str(file)!r} of the sharded checkpoint is truncated: the metadata places data up to"
+                f" byte {end}, but the file has {size} bytes. Re-copy or re-save the checkpoint."
+            )
 
 
 def load_sharded_checkpoint(
-    path: Path, module: Module, module_key: str, optimizers: Mapping[str, Optimizer], strict: bool
-) -> None:
-    """Restore ``module`` and ``optimizers`` from the shards in ``path`` (after :func:`check_sharded_request`)."""
-    from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load, _get_sharded_state_dict_context
-    from torch.distributed.checkpoint import FileSystemReader
+    path: Path,
+    module: Module,
+    module_key: str,
+    optimizers: Mapping[str, Optimizer],
+    strict: bool,
+    weights_only: bool = True,
+) -> str:
+    """Restore ``module`` and ``optimizers`` from the shards in ``path`` (after :func:`check_sharded_request`).
+
+    Every rank must call it (it runs collectives). The entries are checked against the model and the optimizers,
+    then everything is read, then written: when it raises, the model and the optimizers are unchanged.
+
+    Returns:
+        What ``strict=False`` left out (missing and unexpected model keys), or an empty string.
+
+    Raises:
+        CheckpointLoadError: If the checkpoint does not match the model, or a file is unsafe or unreadable, or the
+            distributed checkpoint reader failed on any rank (the same error on every rank).
+
+    """
+    import torch.distributed.checkpoint as dcp
+    from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    metadata = read_dcp_metadata(path, weights_only)
+    check_storage_files(path, metadata)
+    reader = CheckedFileSystemReader(path, metadata, weights_only=weights_only)
     with _get_sharded_state_dict_context(module):
         module_state = {module_key: module.state_dict()}
-        _distributed_checkpoint_load(module_state, path)
+        skipped = _check_against_model(metadata, module_key, module_state[module_key], list(optimizers), strict)
+        flattened = {}
+        for key, optimizer in optimizers.items():
+            optimizer_state = _dcp_call(
+                f"Reading the optimizer state {key!r} from {str(path)!r}",
+                lambda key=key: load_sharded_optimizer_state_dict(
+                    model_state_dict=module_state[module_key], optimizer_key=key, storage_reader=reader
+                ),
+            )
+            flattened[key] = _dcp_call(
+                f"Matching the optimizer state {key!r} of {str(path)!r} to the optimizer",
+                lambda key=key, optimizer=optimizer, state=optimizer_state: FSDP.optim_state_dict_to_load(
+                    model=module, optim=optimizer, optim_state_dict=state[key]
+                ),
+            )
+        planner = DefaultLoadPlanner(allow_partial_load=not strict)
+        _dcp_call(
+            f"Reading the model from {str(path)!r}",
+            lambda: dcp.load(module_state, storage_reader=reader, planner=planner),
+        )
         module.load_state_dict(module_state[module_key], strict=strict)
-        if optimizers:
-            reader = FileSystemReader(path=path)
-            for optimizer_key, optimizer in optimizers.items():
-                optimizer_state = load_sharded_optimizer_state_dict(
-                    model_state_dict=module_state[module_key], optimizer_key=optimizer_key, storage_reader=reader
-                )
-                flattened = FSDP.optim_state_dict_to_load(
-                    optim_state_dict=optimizer_state[optimizer_key], model=module, optim=optimizer
-                )
-                optimizer.load_state_dict(flattened)
+        for key, optimizer in optimizers.items():
+            optimizer.load_state_dict(flattened[key])
+    return skipped
 
 
 def read_sharded_metadata(path: Path, weights_only: bool) -> dict[str, Any]:
     """Read the user's metadata of a sharded checkpoint onto the CPU (an empty dict where there is none)."""
     metadata_path = path / FABRIC_METADATA_FILENAME
-    if not metadata_path.is_file():
+    if not os.path.lexists(metadata_path):
         return {}
+    require_regular_file(metadata_path, "metadata file of the sharded checkpoint")
     try:
         metadata = torch.load(metadata_path, map_location="cpu", weights_only=weights_only)
     except Exception as error:
@@ -109,3 +266,364 @@ def read_sharded_metadata(path: Path, weights_only: bool) -> dict[str, Any]:
     if not isinstance(metadata, dict):
         raise CheckpointLoadError(f"The metadata file {str(metadata_path)!r} holds a {type(metadata).__name__}.")
     return metadata
+
+
+class CheckedFileSystemReader(FileSystemReader):
+    """A DCP reader for a checkpoint whose metadata was read by :func:`read_dcp_metadata`.
+
+    It serves that metadata instead of unpickling ``.metadata`` again, opens only regular files, and with
+    ``weights_only=True`` unpickles the non-tensor entries with ``torch.load(weights_only=True)``.
+
+    Args:
+        path: The checkpoint directory.
+        metadata: What :func:`read_dcp_metadata` returned for it (check the files with :func:`check_storage_files`).
+        weights_only: Whether the non-tensor entries may hold only tensors and plain containers.
+
+    """
+
+    def __init__(self, path: Path, metadata: Metadata, weights_only: bool = True) -> None:
+        super().__init__(path)
+        self.fs = _RegularFileSystem()
+        self._metadata = metadata
+        self._weights_only = weights_only
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata.storage_meta is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._weights_only:
+            planner = _WeightsOnlyBytes(planner, Path(self.path))  # type: ignore[assignment]
+        return super().read_data(plan, planner)
+
+
+class _WeightsOnlyBytes:
+    """A load planner's stand-in that hands it a non-tensor entry only once it unpickled with ``weights_only=True``.
+
+    The planner unpickles what it gets with ``weights_only=False``: it gets the checked object pickled anew.
+    """
+
+    def __init__(self, planner: LoadPlanner, path: Path) -> None:
+        self._planner = planner
+        self._path = path
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.storage_index.fqn
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            reason = _unpickling_reason(error)
+            refused = re.search(r"GLOBAL (\S+)", reason)
+            if refused is None:
+                raise CheckpointLoadError(
+                    f"The entry {fqn!r} of the sharded checkpoint {str(self._path)!r} could not be read: {reason}."
+                    " It is corrupt: re-copy or re-save the checkpoint."
+                ) from None
+            raise CheckpointLoadError(
+                f"Refused to unpickle `{refused[1]}` from the entry {fqn!r} of the sharded checkpoint"
+                f" {str(self._path)!r} (the payload was not run): a non-tensor entry may hold only tensors and plain"
+                " containers. Load it with `weights_only=False` only if you trust its source."
+            ) from None
+        except Exception as error:
+            raise CheckpointLoadError(
+                f"The entry {fqn!r} of the sharded checkpoint {str(self._path)!r} could not be read:"
+                f" {first_line(error)}. Re-copy or re-save the checkpoint."
+            ) from None
+        checked = io.BytesIO()
+        torch.save(obj, checked)
+        checked.seek(0)
+        self._planner.load_bytes(read_item, checked)
+
+
+class _RegularFileSystem(FileSystem):
+    """DCP's file system, except that it opens nothing but regular files (a FIFO swapped in after the check)."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[IO[bytes]]:
+        if mode != "rb":
+            raise ValueError(f"A sharded checkpoint is opened for reading only, got mode {mode!r}.")
+        with _open_regular_file(Path(path), "shard file of the sharded checkpoint") as stream:
+            yield stream
+
+
+class _RefusedGlobal(Exception):
+    """A global that the metadata unpickler does not allow (its name is the message)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` file: its classes and the torch dtypes and layouts they hold, nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = _allowed_globals().get((module, name))
+        if allowed is None:
+            raise _RefusedGlobal(f"{module}.{name}")
+        return allowed
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    if not _ALLOWED:
+        from torch.serialization import _get_layout  # turns a layout's name into the layout (a dictionary lookup)
+
+        _ALLOWED.update({(obj.__module__, obj.__qualname__): obj for obj in (*_METADATA_CLASSES, _get_layout)})
+        for name, value in vars(torch).items():
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                _ALLOWED["torch", name] = value
+        # ``StorageMeta.checkpoint_id`` is the path the checkpoint was saved to; pathlib moved to a package in 3.13.
+        for cls in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath):
+            _ALLOWED["pathlib", cls.__name__] = cls
+            _ALLOWED[cls.__module__, cls.__name__] = cls
+    return _ALLOWED
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {}
+
+
+@contextmanager
+def _open_regular_file(path: Path, what: str) -> Iterator[IO[bytes]]:
+    """Open ``path`` for reading without blocking on a FIFO, and only if it is a regular file."""
+    require_regular_file(path, what)
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        raise CheckpointLoadError(f"The {what} {str(path)!r} cannot be opened: {error.strerror or error}.") from None
+    with os.fdopen(descriptor, "rb") as stream:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            require_regular_file(path, what)  # it was replaced after the first check: raises, naming what it is now
+            raise CheckpointLoadError(f"The {what} {str(path)!r} was replaced while it was being opened.")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(descriptor, True)
+        yield stream
+
+
+def _metadata_problems(metadata: Any) -> list[str]:
+    """What makes unpickled DCP metadata unusable: wrong types, chunks outside their tensor, records outside the dir."""
+    if not isinstance(metadata, Metadata):
+        return [f"it holds a {type(metadata).__name__}, not torch's checkpoint `Metadata`"]
+    entries = metadata.state_dict_metadata
+    storage = metadata.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        return ["its entries or storage records are not dictionaries"]
+    problems = []
+    for fqn, entry in entries.items():
+        if not isinstance(fqn, str):
+            problems.append(f"an entry is named {fqn!r}, not a string")
+        elif isinstance(entry, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                problems.append(f"the entry {fqn!r} has no storage record")
+        elif isinstance(entry, TensorStorageMetadata):
+            problems += [f"the tensor {fqn!r}: {problem}" for problem in _tensor_entry_problems(fqn, entry, storage)]
+        else:
+            problems.append(f"the entry {fqn!r} is a {type(entry).__name__}")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            problems.append(f"a storage record is a {type(info).__name__} keyed by a {type(index).__name__}")
+        elif not _is_file_name(info.relative_path):
+            problems.append(f"the entry {index.fqn!r} is stored in {info.relative_path!r}, outside the checkpoint")
+        elif not (_is_count(info.offset) and _is_count(info.length)):
+            problems.append(f"the entry {index.fqn!r} has offset {info.offset!r} and length {info.length!r}")
+        elif info.transform_descriptors is not None and not all(isinstance(d, str) for d in info.transform_descriptors):
+            problems.append(f"the entry {index.fqn!r} has transforms {info.transform_descriptors!r}")
+    planner_data = metadata.planner_data
+    if planner_data is not None:
+        if not isinstance(planner_data, dict):
+            problems.append(f"its planner data is a {type(planner_data).__name__}")
+        else:
+            problems += [
+                f"the entry {fqn!r} has the path {keys!r} in the planner data"
+                for fqn, keys in planner_data.items()
+                if not _is_state_dict_path(fqn, keys, len(entries))
+            ]
+    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
+        problems.append(f"its storage meta is a {type(metadata.storage_meta).__name__}")
+    return problems
+
+
+def _tensor_entry_problems(fqn: str, entry: TensorStorageMetadata, storage: dict) -> list[str]:
+    size = entry.size
+    if not isinstance(entry.properties, TensorProperties) or not isinstance(entry.properties.dtype, torch.dtype):
+        return ["its properties are not tensor properties with a dtype"]
+    if not isinstance(size, torch.Size) or not all(_is_count(n) for n in size):
+        return [f"its size is {size!r}"]
+    if not isinstance(entry.chunks, list):
+        return [f"its chunks are a {type(entry.chunks).__name__}"]
+    problems = []
+    for chunk in entry.chunks:
+        if not isinstance(chunk, ChunkStorageMetadata) or not (
+            isinstance(chunk.offsets, torch.Size) and isinstance(chunk.sizes, torch.Size)
+        ):
+            problems.append(f"a chunk is a {type(chunk).__name__}")
+        elif not (len(chunk.offsets) == len(chunk.sizes) == len(size)) or not all(
+            _is_count(o) and _is_count(n) and o + n <= total
+            for o, n, total in zip(chunk.offsets, chunk.sizes, size, strict=False)
+        ):
+            problems.append(f"the chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} is outside {list(size)}")
+        elif MetadataIndex(fqn, chunk.offsets) not in storage:
+            problems.append(f"the chunk at {list(chunk.offsets)} has no storage record")
+    return problems
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_file_name(name: Any) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+def _is_state_dict_path(fqn: Any, keys: Any, entry_count: int) -> bool:
+    # DCP names a nested entry by its path, joined with dots; a list index can be no larger than the entry count.
+    return (
+        isinstance(keys, tuple)
+        and all(isinstance(k, str) or (_is_count(k) and k <= entry_count) for k in keys)
+        and fqn == ".".join(map(str, keys))
+    )
+
+
+def _top_level_keys(metadata: Metadata) -> set[str]:
+    return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
+
+
+def _check_against_model(
+    metadata: Metadata, module_key: str, model_state: Mapping[str, Any], optimizer_keys: Sequence[str], strict: bool
+) -> str:
+    """Compare the checkpoint's entries with the model's state and raise one error listing the problems.
+
+    Returns:
+        What ``strict=False`` leaves out (missing and unexpected keys), or an empty string.
+
+    """
+    entries = metadata.state_dict_metadata
+    prefix = f"{module_key}."
+    mismatches: list[str] = []
+    missing = []
+    for name, value in model_state.items():
+        entry = entries.get(prefix + name)
+        if entry is None:
+            missing.append(name)
+        elif isinstance(value, torch.Tensor):
+            problem = _tensor_mismatch(entry, tuple(value.size()), value.dtype)
+            if problem:
+                mismatches.append(f"{prefix + name!r}: {problem}")
+        elif not isinstance(entry, BytesStorageMetadata):
+            mismatches.append(f"{prefix + name!r}: checkpoint tensor, model {type(value).__name__}")
+    unexpected = [
+        fqn[len(prefix) :] for fqn in entries if fqn.startswith(prefix) and fqn[len(prefix) :] not in model_state
+    ]
+    for key in optimizer_keys:
+        mismatches += _optimizer_mismatches(entries, key, model_state)
+
+    problems = []
+    if strict and missing:
+        problems.append(f"{len(missing)} missing key(s), in the model but not the checkpoint: {_names(missing)}")
+    if strict and unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected key(s), in the checkpoint but not the model: {_names(unexpected)}"
+        )
+    if mismatches:
+        problems.append(f"{len(mismatches)} entr(y/ies) that cannot be loaded: {_first(mismatches)}")
+    if problems:
+        fix = " To load only the tensors that match, pass `strict=False`." if strict and not mismatches else ""
+        raise CheckpointLoadError(
+            "The sharded checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
+            + "\n- ".join(problems)
+            + fix
+        )
+    skipped = []
+    if missing:
+        skipped.append(f"{len(missing)} missing key(s) left as they were ({_names(missing)})")
+    if unexpected:
+        skipped.append(f"{len(unexpected)} unexpected key(s) ignored ({_names(unexpected)})")
+    return "; ".join(skipped)
+
+
+def _optimizer_mismatches(entries: Mapping[str, Any], key: str, model_state: Mapping[str, Any]) -> list[str]:
+    # FSDP names the state of a parameter `<optimizer>.state.<parameter name>.<state name>`; state that is not a
+    # scalar (Adam's `exp_avg`, SGD's `momentum_buffer`) has the parameter's shape.
+    prefix = f"{key}.state."
+    mismatches = []
+    for fqn, entry in entries.items():
+        if not fqn.startswith(prefix):
+            continue
+        rest = fqn[len(prefix) :]
+        owner = _owning_tensor(rest, model_state)
+        if owner is None:
+            mismatches.append(f"{fqn!r}: state of a parameter the model does not have")
+        elif isinstance(entry, TensorStorageMetadata) and entry.size.numel() != 1:
+            shape = tuple(model_state[owner].size())
+            if tuple(entry.size) != shape:
+                mismatches.append(f"{fqn!r}: checkpoint {_shape(tuple(entry.size))}, parameter {_shape(shape)}")
+    return mismatches
+
+
+def _owning_tensor(name: str, model_state: Mapping[str, Any]) -> str | None:
+    """The longest tensor name of the model that ``name`` extends by at least one dotted part."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        candidate = ".".join(parts[:end])
+        if isinstance(model_state.get(candidate), torch.Tensor):
+            return candidate
+    return None
+
+
+def _tensor_mismatch(entry: Any, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    if not isinstance(entry, TensorStorageMetadata):
+        return f"checkpoint holds a non-tensor object, model a tensor of shape {_shape(shape)}"
+    if tuple(entry.size) != shape:
+        return f"checkpoint shape {_shape(tuple(entry.size))}, model {_shape(shape)}"
+    stored = entry.properties.dtype
+    if stored != dtype and not (stored.is_floating_point and dtype.is_floating_point):
+        return f"checkpoint dtype {stored}, model {dtype} (cannot be cast)"
+    return ""
+
+
+def _dcp_call(what: str, call: Callable[[], _T]) -> _T:
+    """Run a call into DCP, and turn its failure (on any rank) into one short error."""
+    try:
+        return call()
+    except CheckpointLoadError:
+        raise
+    except CheckpointException as error:
+        ranks = tuple(sorted(error.failures))
+        causes = [failure[0] for failure in error.failures.values()]
+        own = next((cause for cause in causes if isinstance(cause, CheckpointLoadError)), None)
+        if own is not None:
+            detail = str(own)
+        elif causes and isinstance(causes[0], pickle.UnpicklingError):
+            detail = (
+                f"{_unpickling_reason(causes[0])}. An entry is corrupt, or is not a tensor as torch writes it: re-copy"
+                " or re-save the checkpoint."
+            )
+        else:
+            detail = first_line(causes[0]) if causes else "no details"
+        raise CheckpointLoadError(
+            f"{what} failed on rank(s) {', '.join(map(str, ranks))}: {detail}", failed_ranks=ranks
+        ) from error
+    except Exception as error:
+        raise CheckpointLoadError(f"{what} failed: {first_line(error)}") from error
+
+
+def _unpickling_reason(error: BaseException) -> str:
+    """The one sentence of ``torch.load``'s weights-only error that says what was refused (it spans a page)."""
+    text = str(error)
+    if _WEIGHTS_ONLY_REASON not in text:
+        return first_line(error)
+    reason = " ".join(text.split(_WEIGHTS_ONLY_REASON, 1)[1].split())
+    return reason.split(". ", 1)[0].split(" Check the documentation", 1)[0].rstrip(".")
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return f"({', '.join(map(str, shape))})" if len(shape) != 1 else f"({shape[0]},)"
+
+
+def _names(names: Sequence[str]) -> str:
+    return _first([repr(name) for name in names])
+
+
+def _first(items: Sequence[str]) -> str:
+    shown = ", ".join(items[:_SHOWN])
+    return shown + (f", ... ({len(items) - _SHOWN} more)" if len(items) > _SHOWN else "")
