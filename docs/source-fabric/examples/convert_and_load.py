@@ -1,8 +1,8 @@
 """Convert a consolidated checkpoint into a sharded one once, then load it shard by shard with ``fabric.load``.
 
-The source here is a legacy-format ``torch.save`` file, the slowest kind to load: it cannot be memory-mapped, so
-every rank would have to read it whole (in turns). The sharded checkpoint that the conversion writes is read by each
-rank in part: only the chunks that overlap its own shard. On the command line the conversion is
+The source here is a legacy-format ``torch.save`` file; the conversion reads it by byte ranges, a chunk of rows at a
+time. The sharded checkpoint that the conversion writes is read by each rank in part: only the chunks that overlap
+its own shard, already cut in rows. On the command line the conversion is
 ``lightning-fsdp convert checkpoints/lit-llama.pth checkpoints/lit-llama-sharded``; this script calls the function
 behind it, ``convert_checkpoint``.
 
