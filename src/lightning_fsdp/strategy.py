@@ -61,10 +61,10 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
     Arguments:
         \*args: Passed to :class:`lightning.fabric.strategies.FSDPStrategy`.
-        load_concurrency: How many ranks of a node may hold a checkpoint that must be read whole (a Fabric
-            checkpoint in torch's legacy format) in host memory at the same time. ``"auto"`` (default) derives it
+        load_concurrency: How many ranks of a node may hold a checkpoint that must be read whole (a pickled file
+            loaded with ``weights_only=False``) in host memory at the same time. ``"auto"`` (default) derives it
             from the memory available to the node (or its cgroup) and the file's size; ``1`` means one rank at a
-            time. Files read lazily or by byte ranges (zip, safetensors, legacy-format raw state dicts) need no turns.
+            time. With ``weights_only=True`` (the default) every format is read by byte ranges and needs no turns.
         load_progress: Show a progress bar while loading, once per node, when the output is a terminal. The
             environment variable ``LIGHTNING_FSDP_PROGRESS=0`` turns it off too.
         \**kwargs: Passed to :class:`lightning.fabric.strategies.FSDPStrategy`.
@@ -191,12 +191,14 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         more (an optimizer, ``"step"``) is an error; with ``strict=False`` the rest of ``state`` is left untouched.
 
         Full files are loaded shard-locally: each rank copies only its own slice of every parameter and optimizer
-        state into its shard, reading only those bytes (zip and safetensors files, and legacy-format raw state dicts,
-        whose tensors are located from their pickles). A source that must be read whole (a legacy-format Fabric
-        checkpoint) is read by at most ``load_concurrency`` ranks of a node at a time. Names, shapes and dtypes are
-        checked on every rank before anything is written, so a failed load leaves the model as it was, and an error
-        on any rank is raised on every rank. (With a source read whole, each rank checks in its own turn: a failure
-        that only a later rank hits leaves the earlier ranks loaded, and the error names the failing rank.)
+        state into its shard, reading only those bytes, at offsets that the file's own structure proves (the zip
+        directory, the safetensors header, the legacy format's pickles), by positioned reads. A pickled file loaded
+        with ``weights_only=False`` may hold any object and is read whole, by at most ``load_concurrency`` ranks of a
+        node at a time. Names, shapes and dtypes (of the optimizer state too) are checked on every rank before anything
+        is written, so a failed load leaves the model as it was, and an error on any rank is raised on every rank as
+        the same :class:`~lightning_fsdp.CheckpointLoadError`; an error during the copy says that the model is
+        partially loaded. (With a source read whole, each rank checks in its own turn: a failure that only a later
+        rank hits leaves the earlier ranks loaded, and the error names the failing rank.)
 
         Args:
             path: A checkpoint file or directory.

@@ -1,8 +1,9 @@
 """Describe a checkpoint, and convert any readable checkpoint into a sharded (distributed) checkpoint.
 
 Conversion streams tensor by tensor, in row chunks: each chunk is read with a positioned read of exactly its bytes,
-written, and dropped, so peak memory stays near the largest chunk whatever the file's size (a legacy-format file is
-the exception: it can only be read whole). The output is a torch distributed checkpoint directory with a ``meta.pt``,
+written, and dropped, so peak memory stays near the largest chunk whatever the file's size (a pickled file converted
+with ``weights_only=False`` is the exception: it is read whole). Every zip record is checked against its CRC. The
+output is a torch distributed checkpoint directory with a ``meta.pt``,
 which ``fabric.load(path, {"model": model})`` reads shard by shard; each chunk holds a range of rows, so a rank reads
 only the chunks that overlap its shard.
 

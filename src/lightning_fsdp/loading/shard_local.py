@@ -3,7 +3,7 @@
 FSDP (``FullyShardedDataParallel``, FSDP1) flattens the parameters of each wrapped unit into one ``FlatParameter``
 and keeps a contiguous shard of it per rank. Its ``_shard_param_infos`` say, for every original parameter, whether
 this rank holds part of it, where in the local shard, and which range of the flattened parameter. Copying exactly
-that range from the checkpoint needs no all-gather and no unsharded unit, and with a memory-mapped or sliceable
+that range from the checkpoint needs no all-gather and no unsharded unit, and with a source read by byte ranges
 source a rank reads only the bytes of its own shard.
 
 Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level helpers).
