@@ -5,6 +5,7 @@ Upstream destination: a ``fabric`` CLI subcommand (``src/lightning/fabric/cli.py
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -20,24 +21,70 @@ examples:
   lightning-fsdp convert lit-llama.pth lit-llama-sharded/
       then, in the training script: fabric.load("lit-llama-sharded/", {"model": model})"""
 
+#: The exit code of a process killed by ``SIGPIPE`` (128 + 13), as shells report it for ``yes | head -1``.
+_EXIT_BROKEN_PIPE = 141
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit code (0 on success, 2 on bad input)."""
+    """Run the command line; return the exit code.
+
+    0 on success, 2 on bad input or any other failure (reported as one line on stderr, never as a traceback), 130 on
+    Ctrl-C, and 141 (like a program killed by ``SIGPIPE``) when the reader of the output went away, e.g. ``| head``.
+
+    """
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "inspect":
-            return _inspect(args)
-        return _convert(args)
+        code = _inspect(args) if args.command == "inspect" else _convert(args)
+        sys.stdout.flush()  # here, so that a closed pipe is reported below rather than at interpreter shutdown
+        return code
     except KeyboardInterrupt:
         print("lightning-fsdp: interrupted", file=sys.stderr)
         return 130
-    except Exception as error:  # every failure is reported as one line, never as a traceback
-        from lightning_fsdp.loading.errors import CheckpointLoadError
-
-        prefix = "" if isinstance(error, (CheckpointLoadError, OSError)) else f"{type(error).__name__}: "
-        print(f"lightning-fsdp {args.command}: error: {prefix}{error}", file=sys.stderr)
+    except BrokenPipeError:
+        _silence_stdout()
+        return _EXIT_BROKEN_PIPE
+    except SystemExit:
+        raise
+    except BaseException as error:  # torch's `CheckpointException` derives from BaseException, not Exception
+        print(f"lightning-fsdp {args.command}: error: {_error_message(error)}", file=sys.stderr)
         return 2
+
+
+def _silence_stdout() -> None:
+    """Point standard output at ``/dev/null``, so that the interpreter's final flush does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (e.g. stdout replaced in tests): nothing will flush it
+        pass
+
+
+def _error_message(error: BaseException) -> str:
+    """One line for ``error``: its message, its type for errors that are not the loader's own, and no traceback.
+
+    Multi-line messages keep their first line on the error line and the rest indented below it. The errors of torch's
+    distributed checkpoint reader, whose text embeds each rank's traceback, are reduced to each rank's error.
+
+    """
+    from lightning_fsdp.loading.errors import CheckpointLoadError
+
+    try:
+        from torch.distributed.checkpoint.api import CheckpointException
+    except ImportError:  # the failure may be that torch itself is broken
+        CheckpointException = ()
+    if isinstance(error, CheckpointException) and error.failures:
+        causes = []
+        for rank, (cause, _) in sorted(error.failures.items()):
+            causes.append(f"rank {rank}: {_error_message(cause)}")
+        return "the distributed checkpoint reader failed on " + "; ".join(causes)
+
+    text = str(error).strip()
+    if not isinstance(error, (CheckpointLoadError, OSError)):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    first, *rest = text.splitlines() or [type(error).__name__]
+    return "\n".join([first, *(f"    {line}" for line in rest if line.strip())])
 
 
 def _parser() -> argparse.ArgumentParser:

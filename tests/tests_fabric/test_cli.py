@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -98,6 +99,81 @@ def test_bad_input_is_a_message_and_exit_code_not_a_traceback(tmp_path, state_di
     assert result.returncode == 2
     assert "not an empty directory" in result.stderr
     assert _cli("inspect").returncode == 2  # argparse's usage error
+
+
+_RAISE_IN_DESCRIBE = """
+import sys
+import traceback
+import lightning_fsdp.loading.convert as convert
+from torch.distributed.checkpoint.api import CheckpointException
+
+def describe_checkpoint(path, weights_only=True):
+    try:
+        raise ValueError("Size mismatch for 'model.head.weight'")
+    except ValueError as error:
+        summary = traceback.extract_tb(error.__traceback__)
+        raise CheckpointException("CheckpointException ranks:dict_keys([0])", {0: (error, summary)}) from None
+
+convert.describe_checkpoint = describe_checkpoint
+
+from lightning_fsdp.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_base_exception_is_one_line_without_traceback(tmp_path):
+    """torch's `CheckpointException` is a BaseException whose text embeds each rank's traceback: one line each."""
+    command = [sys.executable, "-c", _RAISE_IN_DESCRIBE, "inspect", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == (
+        "lightning-fsdp inspect: error: the distributed checkpoint reader failed on rank 0: ValueError: Size mismatch"
+        " for 'model.head.weight'\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (ValueError("first\nsecond\n\nthird"), "ValueError: first\n    second\n    third"),
+        (RuntimeError(), "RuntimeError"),
+        (type("Fatal", (BaseException,), {})("stop"), "Fatal: stop"),
+    ],
+)
+def test_unexpected_errors_are_reported_by_type(monkeypatch, tmp_path, error, expected):
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr("lightning_fsdp.loading.convert.describe_checkpoint", fail)
+    result = _cli("inspect", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr == f"lightning-fsdp inspect: error: {expected}\n"
+
+
+def test_interrupt_exits_130(monkeypatch, tmp_path):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("lightning_fsdp.loading.convert.describe_checkpoint", interrupt)
+    result = _cli("inspect", str(tmp_path))
+    assert (result.returncode, result.stderr) == (130, "lightning-fsdp: interrupted\n")
+
+
+@RunIf(linux_only=True)
+def test_pipe_into_head_is_quiet(tmp_path):
+    """`head` exits after 10 bytes while the command still writes: no error, no traceback, the exit code of SIGPIPE."""
+    from safetensors.torch import save_file
+
+    # So many keys that the output (they are all listed) is larger than a pipe's buffer (64 KiB).
+    many_tensors = tmp_path / "many.safetensors"
+    save_file({f"transformer.layers.{i:05d}.attention.weight": torch.zeros(1) for i in range(3000)}, many_tensors)
+    cli = f"{shlex.quote(sys.executable)} -m lightning_fsdp.cli inspect {shlex.quote(str(many_tensors))} --json"
+    command = f"set -o pipefail; {cli} | head -c 10"
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert result.stdout == '{\n  "path"'
+    assert result.stderr == ""
+    assert result.returncode == 141
 
 
 def _load_converted(accelerator: str, devices: int, paths: dict[str, str], expected_path: str) -> int:
