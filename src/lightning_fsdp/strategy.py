@@ -44,10 +44,11 @@ from lightning_fsdp.devices import (
     _check_placement,
     _own_cuda_device,
 )
+from lightning_fsdp.loading.agreement import Agreement
 from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint
 from lightning_fsdp.loading.loader import LoadRequest, RankInfo, load_checkpoint_file
 from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint
-from lightning_fsdp.loading.turns import StaggeredLoad, validate_concurrency
+from lightning_fsdp.loading.turns import validate_concurrency
 
 
 class FSDPStrategy(_UpstreamFSDPStrategy):
@@ -222,7 +223,7 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             )
         path = Path(self.broadcast(path))
         ranks = self._rank_info()
-        with _agreement(ranks, f"Reading {str(path)!r}"):  # a path that some rank cannot read fails on every rank
+        with Agreement(f"Reading {str(path)!r}"):  # a path that some rank cannot read fails on every rank
             detected = detect_checkpoint(path)
         safe = weights_only is not False
 
@@ -236,9 +237,9 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
         if detected.format is CheckpointFormat.FABRIC_SHARDED:
             key = module_key or "model"
-            with _agreement(ranks, f"Loading {str(path)!r}") as agreement:
+            with Agreement(f"Loading {str(path)!r}") as agreement:
                 metadata, stored = check_sharded_request(path, key, list(optimizers), metadata_keys, strict, safe)
-                agreement.agree_on_success()  # before the collectives of the distributed checkpoint reader
+                agreement.agree()  # before the collectives of the distributed checkpoint reader
                 present = {k: optimizer for k, optimizer in optimizers.items() if k in stored}
                 load_sharded_checkpoint(path, module, key, present, strict)
             if isinstance(state, Module):
@@ -275,16 +276,6 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             "device_id": self.root_device,
             **self._fsdp_kwargs,
         }
-
-
-def _agreement(ranks: RankInfo, description: str) -> StaggeredLoad:
-    """A block after which every rank returns, or every rank raises the same error (no turns are taken in it)."""
-    return StaggeredLoad(
-        node_rank=ranks.node_rank,
-        local_rank=ranks.local_rank,
-        local_world_size=ranks.local_world_size,
-        description=description,
-    )
 
 
 def _fsdp_module_key(state: dict[str, Any]) -> str:
