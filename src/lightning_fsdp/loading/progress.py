@@ -25,7 +25,7 @@ _COUNTER_FORMAT = "{desc}: {n_fmt}B [{elapsed}, {rate_fmt}{postfix}]"
 _EXCHANGE_INTERVAL_S = 0.5
 
 
-class _NodeSnapshot(NamedTuple):
+class NodeSnapshot(NamedTuple):
     """What all ranks of a node have loaded so far, and the turn the node is in."""
 
     bytes_done: int
@@ -36,12 +36,12 @@ class _NodeSnapshot(NamedTuple):
     """``(index, count)`` of the turn the node is in (0-based), ``None`` before the first turn."""
 
 
-class _NodeChannel(Protocol):
-    """Adds one rank's counts to its node's totals; the turn schedule provides it (see ``StaggeredLoad``)."""
+class NodeChannel(Protocol):
+    """Adds one rank's counts to its node's totals, and reads them back; the turn schedule provides it."""
 
     def add_totals(self, total_bytes: int, total_tensors: int) -> None: ...
 
-    def exchange(self, bytes_done: int, tensors_done: int, read: bool) -> _NodeSnapshot | None: ...
+    def exchange(self, bytes_done: int, tensors_done: int, read: bool) -> NodeSnapshot | None: ...
 
 
 class LoadProgress:
@@ -96,8 +96,8 @@ class LoadProgress:
         self._pending_bytes = 0
         self._pending_tensors = 0
         self._turn: tuple[int, int] | None = None
-        self._channel: _NodeChannel | None = None
-        self._snapshot: _NodeSnapshot | None = None
+        self._channel: NodeChannel | None = None
+        self._snapshot: NodeSnapshot | None = None
         self._last_exchange = -math.inf
         self._bar: tqdm | None = None
         self._closed = False
@@ -150,8 +150,8 @@ class LoadProgress:
     ) -> None:
         self.close()
 
-    def _attach(self, channel: _NodeChannel) -> None:
-        """Report to, and draw from, the totals of the node (called by the turn schedule)."""
+    def attach(self, channel: NodeChannel) -> None:
+        """Report to, and draw from, the totals of the node that ``channel`` keeps (the turn schedule calls this)."""
         self._channel = channel
         channel.add_totals(self._total_bytes, self._total_tensors)
         self.refresh(force=True)

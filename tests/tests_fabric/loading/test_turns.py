@@ -2,7 +2,6 @@
 
 import itertools
 import os
-import sys
 import time
 from datetime import timedelta
 
@@ -191,7 +190,7 @@ def test_repeated_loads_do_not_collide():
 def _auto_concurrency_is_decided_per_node(devices: int) -> int:
     _, node_rank, local_rank = _init_process_group(devices, 1)
     # Each rank would see a different amount of free memory: room for 1 copy on local rank 0, 2 on local rank 1.
-    turns._available_memory = lambda: int((local_rank + 1) * 10 * _GiB / turns._AUTO_MEMORY_FRACTION)
+    turns.available_memory = lambda: int((local_rank + 1) * 10 * _GiB / turns._AUTO_MEMORY_FRACTION)
     load = StaggeredLoad("auto", node_rank=node_rank, local_rank=local_rank, local_world_size=devices)
     with load, load.turn(source_bytes=10 * _GiB) as turn:
         pass
@@ -233,84 +232,11 @@ def test_resolve_integer_concurrency():
 
 
 def test_resolve_auto_concurrency(monkeypatch):
-    monkeypatch.setattr(turns, "_available_memory", lambda: 100 * _GiB)
+    monkeypatch.setattr(turns, "available_memory", lambda: 100 * _GiB)
     # 80% of the available memory: 80 GiB hold four copies of a 20 GiB source.
     assert resolve_concurrency("auto", 20 * _GiB, 8) == 4
     assert resolve_concurrency("auto", 20 * _GiB, 2) == 2
     assert resolve_concurrency("auto", 200 * _GiB, 8) == 1
     assert resolve_concurrency("auto", 0, 8) == 8
-    monkeypatch.setattr(turns, "_available_memory", lambda: None)
+    monkeypatch.setattr(turns, "available_memory", lambda: None)
     assert resolve_concurrency("auto", 1, 8) == 1
-
-
-def _write(path, text):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def _meminfo(tmp_path, available_kb=50 * 1024 * 1024):
-    path = tmp_path / "meminfo"
-    _write(path, f"MemTotal:       67108864 kB\nMemFree:         1000 kB\nMemAvailable:   {available_kb} kB\n")
-    return str(path)
-
-
-def test_available_memory_without_cgroup_limit(tmp_path):
-    self_cgroup = tmp_path / "self_cgroup"
-    _write(self_cgroup, "0::/job\n")
-    _write(tmp_path / "cg" / "job" / "memory.max", "max\n")
-    available = turns._available_memory(_meminfo(tmp_path), str(self_cgroup), str(tmp_path / "cg"))
-    assert available == 50 * _GiB
-
-
-def test_available_memory_without_proc(tmp_path, monkeypatch):
-    missing = str(tmp_path / "missing")
-    # psutil (where it is installed) answers on systems without /proc/meminfo.
-    psutil = pytest.importorskip("psutil")
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Memory", (), {"available": 3 * _GiB})())
-    assert turns._available_memory(missing, missing, missing) == 3 * _GiB
-    monkeypatch.setitem(sys.modules, "psutil", None)
-    assert turns._available_memory(missing, missing, missing) is None
-    assert resolve_concurrency("auto", 1, 8) >= 1
-
-
-def test_available_memory_cgroup_v2_limit_of_an_ancestor(tmp_path):
-    self_cgroup = tmp_path / "self_cgroup"
-    _write(self_cgroup, "0::/slurm/job_1/step_0\n")
-    root = tmp_path / "cg"
-    _write(root / "slurm" / "job_1" / "step_0" / "memory.max", "max\n")
-    _write(root / "slurm" / "job_1" / "memory.max", f"{32 * _GiB}\n")
-    _write(root / "slurm" / "job_1" / "memory.current", f"{20 * _GiB}\n")
-    # 4 GiB of the usage is page cache the kernel can drop: it counts as available.
-    _write(root / "slurm" / "job_1" / "memory.stat", f"anon 1\ninactive_file {4 * _GiB}\nactive_file 7\n")
-    assert turns._available_memory(_meminfo(tmp_path), str(self_cgroup), str(root)) == 16 * _GiB
-
-
-def test_available_memory_cgroup_v2_inside_a_container(tmp_path):
-    # With a cgroup namespace the process sees its own cgroup as the root of the mount.
-    self_cgroup = tmp_path / "self_cgroup"
-    _write(self_cgroup, "0::/\n")
-    root = tmp_path / "cg"
-    _write(root / "memory.max", f"{8 * _GiB}\n")
-    _write(root / "memory.current", f"{2 * _GiB}\n")
-    assert turns._available_memory(_meminfo(tmp_path), str(self_cgroup), str(root)) == 6 * _GiB
-
-
-def test_available_memory_cgroup_v1(tmp_path):
-    self_cgroup = tmp_path / "self_cgroup"
-    _write(self_cgroup, "5:cpu,cpuacct:/\n4:memory:/docker/abc\n0::/\n")
-    root = tmp_path / "cg"
-    _write(root / "memory" / "docker" / "abc" / "memory.limit_in_bytes", f"{12 * _GiB}\n")
-    _write(root / "memory" / "docker" / "abc" / "memory.usage_in_bytes", f"{5 * _GiB}\n")
-    _write(root / "memory" / "docker" / "abc" / "memory.stat", f"inactive_file 1\ntotal_inactive_file {_GiB}\n")
-    _write(root / "memory" / "memory.limit_in_bytes", "9223372036854771712\n")  # "unlimited"
-    _write(root / "memory" / "memory.usage_in_bytes", f"{40 * _GiB}\n")
-    assert turns._available_memory(_meminfo(tmp_path), str(self_cgroup), str(root)) == 8 * _GiB
-    # A limit larger than what the system has free does not raise the estimate.
-    assert turns._available_memory(_meminfo(tmp_path, 1024 * 1024), str(self_cgroup), str(root)) == _GiB
-
-
-def test_available_memory_on_this_machine():
-    available = turns._available_memory()
-    if os.path.exists("/proc/meminfo"):
-        assert available is not None
-        assert available > 0
