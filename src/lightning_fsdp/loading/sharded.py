@@ -19,6 +19,7 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the sharded b
 """
 
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -464,7 +465,24 @@ def _tensor_entry_problems(fqn: str, entry: TensorStorageMetadata, storage: dict
             problems.append(f"the chunk at {list(chunk.offsets)} of size {list(chunk.sizes)} is outside {list(size)}")
         elif MetadataIndex(fqn, chunk.offsets) not in storage:
             problems.append(f"the chunk at {list(chunk.offsets)} has no storage record")
+    if not problems:
+        problems += _coverage_problems(entry.chunks, size)
     return problems
+
+
+def _coverage_problems(chunks: list[ChunkStorageMetadata], size: torch.Size) -> list[str]:
+    """The chunks of a tensor must cover it exactly: no element twice, none left out."""
+    if sum(math.prod(chunk.sizes) for chunk in chunks) != math.prod(size):
+        return [f"its chunks hold {sum(math.prod(c.sizes) for c in chunks)} elements, not {math.prod(size)}"]
+    ordered = sorted(chunks, key=lambda chunk: tuple(chunk.offsets))
+    for index, first in enumerate(ordered):
+        for second in ordered[index + 1 :]:
+            if all(
+                max(a, b) < min(a + n, b + m)
+                for a, n, b, m in zip(first.offsets, first.sizes, second.offsets, second.sizes, strict=True)
+            ):
+                return [f"its chunks at {list(first.offsets)} and {list(second.offsets)} overlap"]
+    return []
 
 
 def _is_count(value: Any) -> bool:

@@ -8,7 +8,6 @@ stored uncompressed (``torch.save`` always stores them so).
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
-import itertools
 import struct
 import zipfile
 import zlib
@@ -22,6 +21,9 @@ _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_HEADER_SIGNATURE = b"PK\x03\x04"
 _ENCRYPTED_FLAG = 0x1
 _UTF8_FLAG = 0x800
+_DESCRIPTOR_FLAG = 0x8
+#: A data descriptor (after a record's data when its sizes were not known up front): 12 to 24 bytes.
+_DESCRIPTOR_SIZES = (12, 16, 20, 24)
 #: Bytes hashed per read when a record's CRC is checked (the record is streamed, never held whole).
 _CRC_CHUNK_BYTES = 8 * 2**20
 
@@ -52,8 +54,8 @@ def read_zip_records(path: Path, file: int, file_size: int) -> dict[str, ZipReco
         with open(file, "rb", closefd=False) as handle, zipfile.ZipFile(handle) as archive:
             infos = archive.infolist()
             directory_start = archive.start_dir
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError, struct.error) as error:
-        raise _corrupt(path, f"its zip directory is unreadable: {error}") from None
+    except Exception as error:  # zipfile raises many types for a damaged directory (NotImplementedError, ...)
+        raise _corrupt(path, f"its zip directory is unreadable: {type(error).__name__}: {error}") from None
 
     records: dict[str, ZipRecord] = {}
     spans: list[tuple[int, int, str]] = []
@@ -83,12 +85,26 @@ def read_zip_records(path: Path, file: int, file_size: int) -> dict[str, ZipReco
         if stored and info.compress_size != info.file_size:
             raise _corrupt(path, f"the stored record {info.filename!r} has two different sizes")
         records[info.filename] = ZipRecord(info.filename, data_offset, info.file_size, stored, info.CRC)
-        spans.append((info.header_offset, data_end, info.filename))
-    spans.sort()
-    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
-        if start < end:
-            raise _corrupt(path, f"the records {first!r} and {second!r} overlap")
+        descriptor = _DESCRIPTOR_SIZES if info.flag_bits & _DESCRIPTOR_FLAG else (0,)
+        spans.append((info.header_offset, data_end, descriptor, info.filename))
+    _check_every_byte_accounted_for(path, sorted(spans), directory_start)
     return records
+
+
+def _check_every_byte_accounted_for(path: Path, spans: list[tuple[int, int, tuple[int, ...], str]], end: int) -> None:
+    """Raise unless the records tile the file from its start to the central directory.
+
+    A length field that was changed, or a record whose data is not where its headers say, leaves a gap or an
+    overlap.
+
+    """
+    position, previous = 0, "the start of the file"
+    allowed: tuple[int, ...] = (0,)
+    for start, data_end, descriptor, name in [*spans, (end, end, (0,), "the central directory")]:
+        if start - position not in allowed:
+            relation = "overlap" if start < position else f"leave {start - position} unaccounted bytes between them"
+            raise _corrupt(path, f"{previous} and the record {name!r} {relation}")
+        position, previous, allowed = data_end, f"the record {name!r}", descriptor
 
 
 def read_record(path: Path, file: int, record: ZipRecord) -> bytes:

@@ -254,3 +254,46 @@ def test_file_replaced_during_a_load_is_noticed(tmp_path, state_dict):
     assert torch.equal(opened.source.read("head.weight"), state_dict["head.weight"])
     with pytest.raises(CheckpointLoadError, match=r"changed while it was being loaded"):
         opened.check_unchanged()
+
+
+class _UnseekableWriter:
+    """A stream that cannot seek: zip writers then put each record's sizes in a data descriptor after its data."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, chunk: bytes) -> int:
+        self.data += chunk
+        return len(chunk)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_zip_with_data_descriptors_loads_exactly(tmp_path, state_dict):
+    original = write_checkpoint(state_dict, tmp_path / "original", "torch-zip")
+    with zipfile.ZipFile(original) as archive:
+        entries = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    stream = _UnseekableWriter()
+    with zipfile.ZipFile(stream, "w") as archive:
+        for name, data in entries:
+            with archive.open(name, "w") as record:
+                record.write(data)
+    path = tmp_path / "streamed.pth"
+    path.write_bytes(bytes(stream.data))
+    opened = _open(path)
+    assert all(torch.equal(opened.source.read(name), tensor) for name, tensor in state_dict.items())
+
+
+def test_zip_length_field_changed_is_refused(tmp_path, state_dict):
+    """A local header whose extra-field length shrank points its data into its own padding: the bytes no longer tile."""
+    good = write_checkpoint(state_dict, tmp_path / "good", "torch-zip")
+    data = bytearray(good.read_bytes())
+    with zipfile.ZipFile(good) as archive:
+        info = archive.getinfo(next(n for n in archive.namelist() if n.endswith("/data/3")))
+    extra_length_at = info.header_offset + 28
+    assert struct.unpack("<H", data[extra_length_at : extra_length_at + 2])[0] > 0  # torch pads to align the data
+    data[extra_length_at : extra_length_at + 2] = b"\x00\x00"
+    crafted = tmp_path / "crafted.pth"
+    crafted.write_bytes(bytes(data))
+    _assert_refused_everywhere(crafted, r"unaccounted bytes|overlap", tmp_path)
