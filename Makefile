@@ -13,7 +13,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -e ".[test,docs]"
 	touch $@
 
@@ -34,4 +34,4 @@ docs: setup
 	$(VENV)/bin/sphinx-build -W --keep-going -E -b html docs/source-fabric docs/build/html
 
 clean:
-	rm -rf $(VENV) docs/build build *.egg-info src/*.egg-info
+	rm -rf $(VENV) docs/build build *.egg-info src/*.egg-info demo_output
