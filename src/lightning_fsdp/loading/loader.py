@@ -23,6 +23,7 @@ from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.optimizer import local_optimizer_state
 from lightning_fsdp.loading.progress import LoadProgress
+from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.shard_local import ModuleTargets, ShardLocalUnsupported, collect_targets, copy_into_module
 from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint
 from lightning_fsdp.loading.sources import materialize
@@ -273,7 +274,8 @@ def _load_with_fsdp_state_dict(module: Module, state_dict: dict[str, Any], world
     """Upstream's path: FSDP's full-state-dict loading (all-gathers each unit). Used where the fast path cannot."""
     from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 
-    _load_raw_module_state(state_dict, module=module, world_size=world_size, strict=False)
+    with torch_internal_warnings_silenced():
+        _load_raw_module_state(state_dict, module=module, world_size=world_size, strict=False)
 
 
 def _load_optimizer_with_fsdp(module: Module, optimizer: Optimizer, state: Mapping, world_size: int) -> None:
@@ -281,7 +283,10 @@ def _load_optimizer_with_fsdp(module: Module, optimizer: Optimizer, state: Mappi
     from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    with _get_full_state_dict_context(module, world_size=world_size, rank0_only=False):
+    with (
+        torch_internal_warnings_silenced(),
+        _get_full_state_dict_context(module, world_size=world_size, rank0_only=False),
+    ):
         rekeyed = _rekey_optimizer_state_if_needed(dict(state), module)
         optimizer.load_state_dict(FSDP.optim_state_dict_to_load(module, optimizer, rekeyed))
 

@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.files import require_regular_file
 from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
+from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.torch_pickle import first_line
 
 _T = TypeVar("_T")
@@ -222,7 +223,7 @@ def load_sharded_checkpoint(
     metadata = read_dcp_metadata(path, weights_only)
     check_storage_files(path, metadata)
     reader = CheckedFileSystemReader(path, metadata, weights_only=weights_only)
-    with _get_sharded_state_dict_context(module):
+    with torch_internal_warnings_silenced(), _get_sharded_state_dict_context(module):
         module_state = {module_key: module.state_dict()}
         skipped = _check_against_model(metadata, module_key, module_state[module_key], list(optimizers), strict)
         flattened = {}
