@@ -7,7 +7,6 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the body of `
 ``src/lightning/fabric/utilities/load.py``.
 """
 
-import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -300,8 +299,5 @@ def _local_totals(collected: ModuleTargets | None) -> tuple[int, int]:
     """The bytes and tensors this rank writes at most (its slices), for the progress bar."""
     if collected is None:
         return 0, 0
-    total = 0
-    for target in collected.targets:
-        numel = target.slot.numel if target.slot is not None else math.prod(target.shape)
-        total += numel * target.dtype.itemsize
+    total = sum(target.local_numel * target.dtype.itemsize for target in collected.targets)
     return total, len(collected.targets)
