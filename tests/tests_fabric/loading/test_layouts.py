@@ -5,6 +5,9 @@ elements, padded to 12 and split over two ranks, so rank 0 holds ``a`` and the f
 the last 5 elements of ``b`` and one element of padding.
 """
 
+import itertools
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -208,3 +211,62 @@ def test_optimizer_state_incomplete_or_inconsistent_unit():
     full_state["param_groups"].append({"lr": 1.0, "params": []})
     with pytest.raises(CheckpointLoadError, match="2 parameter group"):
         local_optimizer_state(optimizer, collected, full_state)
+
+
+def _chunked(full: torch.Tensor, mesh_shape, coordinate, placements) -> torch.Tensor:
+    """What a ``DTensor`` rank holds, computed independently with ``torch.chunk``."""
+    from torch.distributed.tensor import Shard
+
+    local = full
+    for size, index, placement in zip(mesh_shape, coordinate, placements, strict=True):
+        if isinstance(placement, Shard):
+            pieces = torch.chunk(local, size, dim=placement.dim)
+            local = pieces[index] if index < len(pieces) else local.narrow(placement.dim, 0, 0)
+    return local
+
+
+def _from_runs(full: torch.Tensor, box_shape, runs) -> torch.Tensor:
+    flat = torch.full((math.prod(box_shape),), -1, dtype=full.dtype)
+    for run in runs:
+        flat[run.offset : run.offset + run.count] = full.reshape(-1)[run.start : run.start + run.count]
+    return flat.view(box_shape)
+
+
+@pytest.mark.parametrize(
+    ("shape", "mesh_shape", "placements"),
+    [
+        ((5, 3), (2,), ("S0",)),  # uneven: 3 and 2 rows
+        ((1, 4), (2,), ("S0",)),  # an empty last shard
+        ((5,), (4,), ("S0",)),  # 2, 2, 1 and an empty shard
+        ((7, 3), (2, 2), ("R", "S0")),  # HSDP: replicated across the first mesh dimension
+        ((6, 5), (2, 2), ("S0", "S1")),  # FSDP x tensor parallel (row-wise): one run per row
+        ((4, 6, 3), (3,), ("S1",)),  # a middle dimension: one run per outer index
+        ((6, 4), (2, 2), ("S0", "S0")),  # both mesh dimensions shard the same tensor dimension
+        ((), (2,), ("R",)),  # a scalar
+    ],
+)
+def test_dtensor_box_and_runs_match_torch_chunk(shape, mesh_shape, placements):
+    from torch.distributed.tensor import Replicate, Shard
+
+    from lightning_fsdp.loading.fsdp2_layout import box_runs, local_box
+
+    placements = [Replicate() if p == "R" else Shard(int(p[1])) for p in placements]
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
+        expected = _chunked(full, mesh_shape, coordinate, placements)
+        box_shape, box_offset = local_box(shape, mesh_shape, coordinate, placements)
+        assert box_shape == tuple(expected.shape), coordinate
+        runs = box_runs(shape, box_shape, box_offset)
+        assert torch.equal(_from_runs(full, box_shape, runs), expected), coordinate
+        whole_rows = all(p == Replicate() or p.dim == 0 for p in placements)
+        assert len(runs) <= (1 if whole_rows else math.prod(box_shape[:-1]))
+
+
+def test_dtensor_box_refuses_unknown_placements():
+    from torch.distributed.tensor import Partial, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from lightning_fsdp.loading.fsdp2_layout import local_box
+
+    assert local_box((4, 4), (2,), (0,), [Partial()]) is None
+    assert local_box((4, 4), (2, 2), (0, 0), [_StridedShard(0, split_factor=2), Shard(0)]) is None
