@@ -7,7 +7,6 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the body of `
 ``src/lightning/fabric/utilities/load.py``.
 """
 
-import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
+from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.optimizer import local_optimizer_state
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
@@ -187,8 +187,9 @@ def _load_sharded(path: Path, request: LoadRequest, stagger: StaggeredLoad) -> L
 
 def _module_targets(module: Module) -> ModuleTargets | None:
     """The shard-local targets of ``module``, or ``None`` (with a one-time warning) where FSDP's own path must serve."""
+    collect = collect_dtensor_targets if has_dtensor_params(module) else collect_targets
     try:
-        return collect_targets(module)
+        return collect(module)
     except ShardLocalUnsupported as reason:
         _warn_fallback(str(reason))
         return None
@@ -279,6 +280,9 @@ def _load_with_fsdp_state_dict(module: Module, state_dict: dict[str, Any], world
 
 
 def _load_optimizer_with_fsdp(module: Module, optimizer: Optimizer, state: Mapping, world_size: int) -> None:
+    if has_dtensor_params(module):
+        _load_optimizer_with_dtensors(module, optimizer, state)
+        return
     from lightning.fabric.strategies.fsdp import _get_full_state_dict_context
     from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -289,6 +293,16 @@ def _load_optimizer_with_fsdp(module: Module, optimizer: Optimizer, state: Mappi
     ):
         rekeyed = _rekey_optimizer_state_if_needed(dict(state), module)
         optimizer.load_state_dict(FSDP.optim_state_dict_to_load(module, optimizer, rekeyed))
+
+
+def _load_optimizer_with_dtensors(module: Module, optimizer: Optimizer, state: Mapping) -> None:
+    """Upstream's path for FSDP2 and tensor parallelism: each full state tensor is broadcast from rank 0."""
+    from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    rekeyed = _rekey_optimizer_state_if_needed(dict(state), module)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=rekeyed, options=options)
 
 
 def _warn_fallback(reason: str) -> None:
@@ -305,8 +319,5 @@ def _local_totals(collected: ModuleTargets | None) -> tuple[int, int]:
     """The bytes and tensors this rank writes at most (its slices), for the progress bar."""
     if collected is None:
         return 0, 0
-    total = 0
-    for target in collected.targets:
-        numel = target.slot.numel if target.slot is not None else math.prod(target.shape)
-        total += numel * target.dtype.itemsize
+    total = sum(target.local_numel * target.dtype.itemsize for target in collected.targets)
     return total, len(collected.targets)
