@@ -311,7 +311,7 @@ def _warn_fallback(reason: str) -> None:
     _warned_fallbacks.add(reason)
     rank_zero_warn(
         f"lightning-fsdp cannot load this checkpoint shard-locally ({reason}); falling back to FSDP's full state-dict"
-        " loading, which all-gathers every unit and needs more memory."
+        " loading, which needs more memory (FSDP1 all-gathers every unit; FSDP2 broadcasts every tensor whole)."
     )
 
 
