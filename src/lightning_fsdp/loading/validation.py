@@ -108,31 +108,13 @@ def plan_load(
 
     """
     check_rename(rename)
-    aligned, ambiguous = _alignment(targets, list(specs)) if rename is None else ({}, [])
-    originals = _renamed(specs, rename if rename is not None else aligned)
-    renamed = {name: specs[original] for name, original in originals.items()}
-    plan = LoadPlan(aligned=aligned)
-    expected_names: set[str] = set()
-    shape_mismatches: list[str] = []
-    dtype_mismatches: list[str] = []
-    for target in targets:
-        expected_names.update(target.names)
-        present = [name for name in target.names if name in renamed]
-        if not present:
-            plan.missing.append(target.names[0])
-            continue
-        source_name = originals[present[0]]
-        spec = renamed[present[0]]
-        if spec.shape != target.shape:
-            shape_mismatches.append(f"{source_name!r}: checkpoint {_shape(spec.shape)}, model {_shape(target.shape)}")
-            continue
-        if spec.dtype != target.dtype:
-            if not (spec.dtype.is_floating_point and target.dtype.is_floating_point):
-                dtype_mismatches.append(f"{source_name!r}: checkpoint {spec.dtype}, model {target.dtype}")
-                continue
-            plan.casts[target.names[0]] = (spec.dtype, target.dtype)
-        plan.sources[target.names[0]] = source_name
-    plan.unexpected = [original for name, original in originals.items() if name not in expected_names]
+    plan, shape_mismatches, dtype_mismatches = _match(targets, specs, _renamed(specs, rename or {}))
+    ambiguous: list[dict[str, str]] = []
+    if rename is None and plan.missing:
+        aligned, ambiguous = _alignment(targets, list(specs))
+        if aligned:
+            plan, shape_mismatches, dtype_mismatches = _match(targets, specs, _renamed(specs, aligned))
+            plan.aligned = aligned
 
     problems = []
     if strict and plan.missing:
@@ -158,12 +140,41 @@ def plan_load(
             + "\n- ".join(problems)
             + ("\n" + " ".join(fixes) if fixes else "")
         )
-    if aligned:
+    if plan.aligned:
         rank_zero_info(
-            f"lightning-fsdp: the checkpoint's names match the model's once {_describe(aligned)}; loading them so"
-            f" (as with `rename={aligned!r}`; pass `rename={{}}` to turn this off)."
+            f"lightning-fsdp: the checkpoint's names match the model's once {_describe(plan.aligned)}; loading them so"
+            f" (as with `rename={plan.aligned!r}`; pass `rename={{}}` to turn this off)."
         )
     return plan
+
+
+def _match(
+    targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], originals: Mapping[str, str]
+) -> tuple[LoadPlan, list[str], list[str]]:
+    """The plan for the checkpoint's tensors under new names (``originals``: new name -> name in the file)."""
+    plan = LoadPlan()
+    expected_names: set[str] = set()
+    shape_mismatches: list[str] = []
+    dtype_mismatches: list[str] = []
+    for target in targets:
+        expected_names.update(target.names)
+        present = next((name for name in target.names if name in originals), None)
+        if present is None:
+            plan.missing.append(target.names[0])
+            continue
+        source_name = originals[present]
+        spec = specs[source_name]
+        if spec.shape != target.shape:
+            shape_mismatches.append(f"{source_name!r}: checkpoint {_shape(spec.shape)}, model {_shape(target.shape)}")
+            continue
+        if spec.dtype != target.dtype:
+            if not (spec.dtype.is_floating_point and target.dtype.is_floating_point):
+                dtype_mismatches.append(f"{source_name!r}: checkpoint {spec.dtype}, model {target.dtype}")
+                continue
+            plan.casts[target.names[0]] = (spec.dtype, target.dtype)
+        plan.sources[target.names[0]] = source_name
+    plan.unexpected = [original for name, original in originals.items() if name not in expected_names]
+    return plan, shape_mismatches, dtype_mismatches
 
 
 def check_whole_module(module: Module) -> None:
@@ -237,12 +248,12 @@ def _prefix_in(flat_param: Any, relative: str) -> str | None:
 
 def _alignment(targets: Sequence[TargetSpec], names: list[str]) -> tuple[dict[str, str], list[dict[str, str]]]:
     """The one prefix rename that makes every model tensor match, and the candidates when several do."""
-    if not targets or not names or _matched(targets, set(names)) == len(targets):
+    if not targets or not names:
         return {}, []
     working = []
     for candidate in _candidates(targets, names):
-        renamed = _try_rename(names, candidate)
-        if renamed is not None and _matched(targets, renamed) == len(targets):
+        renamed = _with_prefix(names, candidate)
+        if renamed is not None and _all_matched(targets, renamed):
             working.append(candidate)
     return (working[0], []) if len(working) == 1 else ({}, working)
 
@@ -251,6 +262,16 @@ def _candidates(targets: Sequence[TargetSpec], names: list[str]) -> list[dict[st
     removed = [p for p in dict.fromkeys([*_WRAPPER_PREFIXES, *_common_prefixes(names)]) if _any_starts(names, p)]
     added = dict.fromkeys([*_WRAPPER_PREFIXES, *_common_prefixes(target.names[0] for target in targets)])
     return [{prefix: ""} for prefix in removed] + [{"": prefix} for prefix in added]
+
+
+def _with_prefix(names: list[str], candidate: dict[str, str]) -> set[str] | None:
+    """The names with one prefix removed (``{prefix: ""}``) or added (``{"": prefix}``); ``None`` if two collide."""
+    ((removed, added),) = candidate.items()
+    if removed:
+        renamed = {name[len(removed) :] if name.startswith(removed) else name for name in names}
+    else:
+        renamed = {added + name for name in names}
+    return renamed if len(renamed) == len(names) else None
 
 
 def _common_prefixes(names: Iterable[str]) -> list[str]:
@@ -264,6 +285,10 @@ def _any_starts(names: list[str], prefix: str) -> bool:
 
 def _matched(targets: Sequence[TargetSpec], names: set[str]) -> int:
     return sum(1 for target in targets if any(name in names for name in target.names))
+
+
+def _all_matched(targets: Sequence[TargetSpec], names: set[str]) -> bool:
+    return all(any(name in names for name in target.names) for target in targets)
 
 
 def _rename_one(name: str, rename: Rename) -> str | None:
@@ -282,15 +307,10 @@ def _rename_one(name: str, rename: Rename) -> str | None:
     return new
 
 
-def _try_rename(names: list[str], rename: Rename) -> set[str] | None:
-    """The renamed names, or ``None`` if two of them collide."""
-    kept = [new for new in (_rename_one(name, rename) for name in names) if new is not None]
-    renamed = set(kept)
-    return renamed if len(renamed) == len(kept) else None
-
-
 def _renamed(specs: Mapping[str, TensorSpec], rename: Rename) -> dict[str, str]:
     """New name -> the name in the file, for every tensor that ``rename`` keeps."""
+    if isinstance(rename, Mapping) and not rename:
+        return {name: name for name in specs}
     originals: dict[str, str] = {}
     for name in specs:
         new = _rename_one(name, rename)
@@ -344,7 +364,7 @@ def _best_candidate(targets: Sequence[TargetSpec], names: list[str]) -> tuple[di
     best: dict[str, str] | None = None
     best_matched = 0
     for candidate in _candidates(targets, names):
-        renamed = _try_rename(names, candidate)
+        renamed = _with_prefix(names, candidate)
         matched = _matched(targets, renamed) if renamed is not None else 0
         if matched > best_matched:
             best, best_matched = candidate, matched
