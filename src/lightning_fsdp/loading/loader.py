@@ -29,7 +29,7 @@ from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_c
 from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
-from lightning_fsdp.loading.validation import LoadPlan, TargetSpec, plan_load
+from lightning_fsdp.loading.validation import LoadPlan, Rename, TargetSpec, check_whole_module, plan_load
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class LoadRequest:
     """Other keys the caller asked for (``step``, ...), restored from a Fabric checkpoint."""
     strict: bool = True
     weights_only: bool = True
+    rename: Rename | None = None
+    """Maps the checkpoint's names to the model's (see :func:`~.validation.check_rename`); ``None`` aligns a
+    prefix automatically where exactly one makes every model tensor match, ``{}`` keeps the names as they are."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,11 @@ def _load_file(
 
 
 def _load_sharded(path: Path, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
+    if request.rename is not None:
+        raise CheckpointLoadError(
+            f"{str(path)!r} is a sharded checkpoint, whose tensors are read by their names in the model: `rename`"
+            " applies to checkpoint files only. Load it without `rename`."
+        )
     key = request.module_key or "model"
     optimizer_keys = list(request.optimizers)
     metadata, stored = check_sharded_request(
@@ -202,8 +210,9 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
 
     """
     _check_requested_keys(request, opened)
+    check_whole_module(request.module)
     targets = collected.specs() if collected is not None else _unsharded_specs(request.module)
-    plan = plan_load(targets, opened.source.specs(), strict=request.strict)
+    plan = plan_load(targets, opened.source.specs(), strict=request.strict, rename=request.rename)
     optimizer_states: dict[str, dict] = {}
     fallback: set[str] = set()
     for key, optimizer in request.optimizers.items():
