@@ -65,18 +65,16 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
     - :meth:`load_checkpoint` (``fabric.load``, ``fabric.load_raw``) reads raw module state dicts, safetensors and
       Hugging Face checkpoints besides Fabric's own, shard-locally and without one copy of the file per rank.
 
+    Its parameters are upstream's, in the same order, with the same defaults and annotations (``**kwargs`` go to
+    :class:`torch.distributed.fsdp.FullyShardedDataParallel`), followed by two keyword-only ones:
+
     Arguments:
-        accelerator, parallel_devices, cluster_environment, precision, process_group_backend, timeout, cpu_offload,
-        mixed_precision, auto_wrap_policy, activation_checkpointing, activation_checkpointing_policy,
-        sharding_strategy, state_dict_type, device_mesh: As in :class:`lightning.fabric.strategies.FSDPStrategy`, in
-            the same order and with the same defaults.
         load_concurrency: How many ranks of a node may hold a checkpoint that must be read whole (a pickled file
             loaded with ``weights_only=False``) in host memory at the same time. ``"auto"`` (default) derives it
             from the memory available to the node (or its cgroup) and the file's size; ``1`` means one rank at a
             time. With ``weights_only=True`` (the default) every format is read by byte ranges and needs no turns.
         load_progress: Show a progress bar while loading, once per node, when the output is a terminal. The
             environment variable ``LIGHTNING_FSDP_PROGRESS=0`` turns it off too.
-        \**kwargs: See available parameters in :class:`torch.distributed.fsdp.FullyShardedDataParallel`.
 
     """
 
