@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_fsdp import CheckpointLoadError, FSDPStrategy
 from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
+from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import TinyTransformer
 
 
@@ -243,3 +244,26 @@ def test_unlaunched_strategy_loads_nothing_into_a_dict_without_fsdp_model(tmp_pa
     with pytest.raises(ValueError, match="Could not find a FSDP model in the provided checkpoint state"):
         FSDPStrategy().load_checkpoint(path, {"model": model})
     torch.testing.assert_close(model.state_dict(), before)
+
+
+def _load_missing_path(path: str) -> tuple[bool, bool, str]:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy())
+    fabric.launch()
+    model = fabric.setup_module(TinyTransformer())
+    try:
+        fabric.load(path, {"model": model})
+    except Exception as error:
+        return isinstance(error, ValueError), isinstance(error, CheckpointLoadError), str(error)
+    raise AssertionError("`fabric.load` of a missing path raised nothing")
+
+
+def test_path_error_is_the_same_on_every_rank(tmp_path):
+    """Launched: every rank goes through the loader (and its agreement), then raises upstream's error type."""
+    path = str(tmp_path / "missing.pt")
+    for is_value_error, is_load_error, message in run_distributed(_load_missing_path, path, devices=2):
+        assert is_value_error
+        assert is_load_error
+        assert message.startswith(f"The path {path!r} does not point to a valid checkpoint.")
+        assert "does not exist" in message
