@@ -3,26 +3,34 @@
 Downstream code (litgpt, user scripts) writes ``from lightning.fabric.strategies import FSDPStrategy`` or
 ``Fabric(strategy="fsdp")``. After :func:`enable`, constructing upstream's class returns an instance of
 :class:`lightning_fsdp.FSDPStrategy` (a subclass, so every ``isinstance`` check still holds), whenever the name was
-imported. Nothing changes for code that never constructs the class, and :func:`disable` restores upstream exactly.
+imported, and ``Fabric(accelerator="cpu", strategy="fsdp")`` is accepted as it is with this package's class. Nothing
+changes for code that never constructs the class, and :func:`disable` restores upstream exactly.
 
 Upstream destination: none; once the strategy is upstream, this module is no longer needed.
 """
 
+import inspect
 from typing import Any
 
+from lightning.fabric.accelerators import CPUAccelerator
+from lightning.fabric.connector import _Connector
+from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
+from lightning.fabric.strategies.fsdp import _FSDP_ALIASES
 
 from lightning_fsdp.strategy import FSDPStrategy
 
 _state = {"enabled": False}
+#: Upstream's own method, restored by :func:`disable`.
+_check_strategy_and_fallback = _Connector._check_strategy_and_fallback
 
 
 def enable() -> None:
     """Make every ``lightning.fabric.strategies.FSDPStrategy(...)`` construct a :class:`lightning_fsdp.FSDPStrategy`.
 
-    It covers the class however it was imported (before or after this call) and ``Fabric(strategy="fsdp")``.
-    Calling it again does nothing; :func:`disable` undoes it. Call it once, at the top of the script, before the
-    strategy is created::
+    It covers the class however it was imported (before or after this call) and ``Fabric(strategy="fsdp")``, which
+    is then accepted with ``accelerator="cpu"`` too. Calling it again does nothing; :func:`disable` undoes it. Call
+    it once, at the top of the script, before the strategy is created::
 
         import lightning_fsdp
 
@@ -33,11 +41,14 @@ def enable() -> None:
         # Installed once and left in place: CPython cannot cleanly remove a ``__new__`` assigned after class
         # creation, so ``disable`` switches the hook off instead.
         _UpstreamFSDPStrategy.__new__ = _construct  # type: ignore[method-assign]
+    _Connector._check_strategy_and_fallback = _check_strategy_and_fallback_on_cpu  # type: ignore[method-assign]
     _state["enabled"] = True
 
 
 def disable() -> None:
     """Undo :func:`enable`: upstream's class constructs upstream's strategy again. Does nothing if not enabled."""
+    if _Connector.__dict__.get("_check_strategy_and_fallback") is _check_strategy_and_fallback_on_cpu:
+        _Connector._check_strategy_and_fallback = _check_strategy_and_fallback  # type: ignore[method-assign]
     _state["enabled"] = False
 
 
@@ -52,3 +63,33 @@ def _construct(cls: type, *args: Any, **kwargs: Any) -> Any:
     if cls is _UpstreamFSDPStrategy and _state["enabled"]:
         cls = FSDPStrategy
     return object.__new__(cls)
+
+
+# `inspect.signature(upstream class)` reads a class's `__new__` before its `__init__`: keep showing upstream's
+# parameters (tools such as jsonargparse build their arguments from them), also after `disable`.
+_construct.__signature__ = inspect.signature(_UpstreamFSDPStrategy.__init__)  # type: ignore[attr-defined]
+
+
+def _check_strategy_and_fallback_on_cpu(connector: _Connector) -> None:
+    """Upstream's check, except that ``strategy="fsdp"`` with ``accelerator="cpu"`` is accepted.
+
+    Upstream refuses the name on CPU but accepts a strategy instance whose class is not exactly its own: the name is
+    resolved to this package's strategy first (upstream's registry entry, constructed through the hook above).
+
+    """
+    strategy, accelerator = connector._strategy_flag, connector._accelerator_flag
+    on_cpu = accelerator == "cpu" or isinstance(accelerator, CPUAccelerator)
+    if not (_state["enabled"] and on_cpu and isinstance(strategy, str) and strategy in _FSDP_ALIASES):
+        return _check_strategy_and_fallback(connector)
+    if strategy == "fsdp":
+        connector._strategy_flag = STRATEGY_REGISTRY.get(strategy)
+        return _check_strategy_and_fallback(connector)
+    try:
+        return _check_strategy_and_fallback(connector)
+    except ValueError as error:
+        # Offloading parameters to the CPU means nothing when the model already computes there, and FSDP pins the
+        # offloaded memory, which needs an accelerator: keep upstream's refusal and say what does run on CPU.
+        raise ValueError(
+            f"{error} With `lightning_fsdp.enable()`, `Fabric(accelerator='cpu', strategy='fsdp')` runs on CPU, but"
+            f" {strategy!r} (CPU offloading) needs an accelerator: use `strategy='fsdp'` on CPU."
+        ) from None
