@@ -10,15 +10,24 @@ Upstream destination: none; once the strategy is upstream, this module is no lon
 """
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.accelerators import CPUAccelerator
 from lightning.fabric.connector import _Connector
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
+from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelParallelStrategy
 from lightning.fabric.strategies.fsdp import _FSDP_ALIASES
 
+from lightning_fsdp.model_parallel import ModelParallelStrategy
 from lightning_fsdp.strategy import FSDPStrategy
+
+#: Each upstream class that :func:`enable` redirects, and this package's class that it then constructs.
+_REPLACEMENTS: dict[type, type] = {
+    _UpstreamFSDPStrategy: FSDPStrategy,
+    _UpstreamModelParallelStrategy: ModelParallelStrategy,
+}
 
 _state = {"enabled": False}
 #: Upstream's own method, restored by :func:`disable`.
@@ -27,6 +36,9 @@ _check_strategy_and_fallback = _Connector._check_strategy_and_fallback
 
 def enable() -> None:
     """Make every ``lightning.fabric.strategies.FSDPStrategy(...)`` construct a :class:`lightning_fsdp.FSDPStrategy`.
+
+    Likewise, ``lightning.fabric.strategies.ModelParallelStrategy(...)`` (FSDP2) constructs a
+    :class:`lightning_fsdp.ModelParallelStrategy`.
 
     It covers the class however it was imported (before or after this call) and ``Fabric(strategy="fsdp")``, which
     is then accepted with ``accelerator="cpu"`` too. Calling it again does nothing; :func:`disable` undoes it. Call
@@ -37,10 +49,11 @@ def enable() -> None:
         lightning_fsdp.enable()
 
     """
-    if "__new__" not in _UpstreamFSDPStrategy.__dict__:
-        # Installed once and left in place: CPython cannot cleanly remove a ``__new__`` assigned after class
-        # creation, so ``disable`` switches the hook off instead.
-        _UpstreamFSDPStrategy.__new__ = _construct  # type: ignore[method-assign]
+    for upstream, ours in _REPLACEMENTS.items():
+        if "__new__" not in upstream.__dict__:
+            # Installed once and left in place: CPython cannot cleanly remove a ``__new__`` assigned after class
+            # creation, so ``disable`` switches the hook off instead.
+            upstream.__new__ = _constructor(upstream, ours)  # type: ignore[method-assign]
     _Connector._check_strategy_and_fallback = _check_strategy_and_fallback_on_cpu  # type: ignore[method-assign]
     _state["enabled"] = True
 
@@ -57,17 +70,20 @@ def is_enabled() -> bool:
     return _state["enabled"]
 
 
-def _construct(cls: type, *args: Any, **kwargs: Any) -> Any:
-    # Python then calls ``__init__`` of the returned instance's class with the same arguments, because it is an
-    # instance of ``cls``: upstream's arguments reach this package's ``__init__``, which accepts all of them.
-    if cls is _UpstreamFSDPStrategy and _state["enabled"]:
-        cls = FSDPStrategy
-    return object.__new__(cls)
+def _constructor(upstream: type, ours: type) -> Callable[..., Any]:
+    """The ``__new__`` hook of ``upstream``: it constructs ``ours`` while enabled."""
 
+    def construct(cls: type, *args: Any, **kwargs: Any) -> Any:
+        # Python then calls ``__init__`` of the returned instance's class with the same arguments, because it is an
+        # instance of ``cls``: upstream's arguments reach this package's ``__init__``, which accepts all of them.
+        if cls is upstream and _state["enabled"]:
+            cls = ours
+        return object.__new__(cls)
 
-# `inspect.signature(upstream class)` reads a class's `__new__` before its `__init__`: keep showing upstream's
-# parameters (tools such as jsonargparse build their arguments from them), also after `disable`.
-_construct.__signature__ = inspect.signature(_UpstreamFSDPStrategy.__init__)  # type: ignore[attr-defined]
+    # `inspect.signature(upstream class)` reads a class's `__new__` before its `__init__`: keep showing upstream's
+    # parameters (tools such as jsonargparse build their arguments from them), also after `disable`.
+    construct.__signature__ = inspect.signature(upstream.__init__)  # type: ignore[attr-defined]
+    return construct
 
 
 def _check_strategy_and_fallback_on_cpu(connector: _Connector) -> None:

@@ -13,9 +13,10 @@ from lightning.fabric.accelerators import CPUAccelerator
 from lightning.fabric.connector import _Connector
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies import FSDPStrategy as UpstreamFSDPStrategy
+from lightning.fabric.strategies import ModelParallelStrategy as UpstreamModelParallelStrategy
 
 import lightning_fsdp
-from lightning_fsdp import FSDPStrategy
+from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.env import without_launcher_variables
 from tests.tests_fabric.helpers.models import TinyTransformer
@@ -53,6 +54,24 @@ def test_enable_is_idempotent_and_reversible():
     assert type(STRATEGY_REGISTRY.get("fsdp")) is UpstreamFSDPStrategy
     with pytest.raises(ValueError, match="FSDP is only available on GPU"):
         Fabric(accelerator="cpu", devices=2, strategy=UpstreamFSDPStrategy())
+
+
+def test_model_parallel_strategy_is_covered_too():
+    def parallelize(model, device_mesh):
+        return model
+
+    assert type(UpstreamModelParallelStrategy(parallelize)) is UpstreamModelParallelStrategy
+    lightning_fsdp.enable()
+    strategy = UpstreamModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
+    assert type(strategy) is ModelParallelStrategy
+    assert isinstance(strategy, UpstreamModelParallelStrategy)
+    assert strategy._data_parallel_size == 2
+    lightning_fsdp.disable()
+    assert type(UpstreamModelParallelStrategy(parallelize)) is UpstreamModelParallelStrategy
+    upstream = inspect.signature(UpstreamModelParallelStrategy.__init__)
+    assert inspect.signature(UpstreamModelParallelStrategy) == upstream.replace(
+        parameters=list(upstream.parameters.values())[1:]
+    )
 
 
 def test_upstream_signature_is_kept():
