@@ -17,6 +17,7 @@ Upstream destination: ``src/lightning/fabric/strategies/model_parallel.py``.
 """
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -25,16 +26,15 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelParallelStrategy
 from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.strategies.model_parallel import _load_checkpoint, _load_raw_module_state_from_path
-from lightning.fabric.utilities.load import _move_state_into
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
-from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, RankInfo, load
 from lightning_fsdp.loading.turns import validate_concurrency
+from lightning_fsdp.loading.validation import Rename
+from lightning_fsdp.loading_calls import load_into_state, load_options, load_request
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -89,6 +89,7 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         )
         self.load_concurrency = validate_concurrency(load_concurrency)
         self.load_progress = load_progress
+        self._load_rename: Rename | None = None
 
     @override
     def load_checkpoint(
@@ -123,29 +124,13 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
             if isinstance(state, Module):  # upstream refuses a directory here, with its message
                 _load_raw_module_state_from_path(path, module=state, world_size=self.world_size, strict=strict)
             return _load_checkpoint(path=path, state=state, strict=strict, weights_only=weights_only)
-        if isinstance(state, Module):
-            request = LoadRequest(state, None, strict=strict, weights_only=weights_only is not False)
-        else:
-            module_key = _distributed_module_key(state)
-            optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
-            metadata_keys = frozenset(state) - {module_key} - set(optimizers)
-            request = LoadRequest(
-                state[module_key], module_key, optimizers, metadata_keys, strict, weights_only is not False
-            )
-        options = LoadOptions(self.load_concurrency, progress=None if self.load_progress else False)
-        ranks = RankInfo(
-            world_size=self.world_size,
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
-            local_world_size=self.num_processes,
-        )
-        result = load(path, request, ranks, options)
-        if result.skipped:
-            rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {result.skipped}.")
-        if isinstance(state, Module):
-            return {}
-        _move_state_into(source=result.metadata, destination=state, keys=request.metadata_keys)
-        return result.remainder
+        module_key = None if isinstance(state, Module) else _distributed_module_key(state)
+        request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
+        return load_into_state(self, path, state, request)
+
+    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
+        """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
+        return load_options(self, rename)
 
 
 def _distributed_module_key(state: dict[str, Any]) -> str:

@@ -29,8 +29,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
 from lightning.fabric.strategies import fsdp as _upstream
 from lightning.fabric.strategies.strategy import _apply_filter
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.nn import Module
@@ -45,8 +43,9 @@ from lightning_fsdp.devices import (
 )
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import detect_checkpoint
-from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, RankInfo, load
 from lightning_fsdp.loading.turns import validate_concurrency
+from lightning_fsdp.loading.validation import Rename
+from lightning_fsdp.loading_calls import load_into_state, load_options, load_request
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
@@ -120,6 +119,7 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         )
         self.load_concurrency = validate_concurrency(load_concurrency)
         self.load_progress = load_progress
+        self._load_rename: Rename | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -250,33 +250,37 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 ``False`` only for a file you trust: unpickling can run code.
 
         """
-        request = _load_request(state, strict, weights_only is not False)
+        state, module_key = _checked_state(state)
+        request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
         # broadcast the path from rank 0 to ensure all the states are loaded from a common path
         path = Path(self.broadcast(path))
-        options = LoadOptions(self.load_concurrency, progress=None if self.load_progress else False)
         try:
-            result = load(path, request, self._rank_info(), options)
+            return load_into_state(self, path, state, request)
         except Exception as error:
             _raise_if_upstream_refuses_path(path, error, raw=request.module_key is None)
             raise
-        if result.skipped:
-            rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {result.skipped}.")
-        if isinstance(state, Module):
-            return {}
-        assert isinstance(state, dict)
-        _move_state_into(source=result.metadata, destination=state, keys=request.metadata_keys)
-        return result.remainder
 
-    def _rank_info(self) -> RankInfo:
-        if not _distributed_is_initialized():
-            # Not launched (a strategy used directly, as in unit tests): a single process, as upstream assumes.
-            return RankInfo()
-        return RankInfo(
-            world_size=self.world_size,
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
-            local_world_size=self.num_processes,
-        )
+    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
+        """Options for the loads inside the ``with`` block: ``fabric.load`` and ``fabric.load_raw`` take none.
+
+        Example::
+
+            with fabric.strategy.load_options(rename={"model.": "", "lm_head.": None}):
+                fabric.load_raw("LlamaForCausalLM/model.safetensors.index.json", base_model)
+
+        Args:
+            rename: Maps the checkpoint's names to the model's, without a copy of the file: a mapping of prefixes
+                (``{"model.": ""}`` removes one, ``{"": "model."}`` adds one, ``{"lm_head.": None}`` leaves those
+                tensors out; the longest matching prefix wins, other names are kept) or a callable (checkpoint name
+                -> model name, or ``None`` to leave the tensor out). ``{}`` keeps every name as it is. By default
+                (``None``), a single prefix that makes every model tensor match is removed or added automatically,
+                and rank 0 says so. Checkpoint files only: a sharded checkpoint is refused with a rename.
+
+        Raises:
+            TypeError: If ``rename`` is neither a mapping of prefixes nor a callable.
+
+        """
+        return load_options(self, rename)
 
     def _set_up_on_cpu(self) -> bool:
         # Upstream reads `root_device` only once the devices are set; a strategy built without them is never on CPU.
@@ -322,10 +326,10 @@ class _InvalidCheckpointPathError(CheckpointLoadError, ValueError):
     """
 
 
-def _load_request(
-    state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None, strict: bool, weights_only: bool
-) -> LoadRequest:
-    """Check ``state`` as upstream does, with its exception types and messages, and say what to load into."""
+def _checked_state(
+    state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None,
+) -> tuple[Module | dict[str, Any], str | None]:
+    """Check ``state`` as upstream does, with its exception types and messages; return it and its module's key."""
     if not state:
         raise ValueError(
             f"Got FSDPStrategy.load_checkpoint(..., state={state!r}) but a state with at least "
@@ -335,16 +339,13 @@ def _load_request(
             " that holds only the model's weights."
         )
     if isinstance(state, Module):
-        return LoadRequest(state, None, strict=strict, weights_only=weights_only)
+        return state, None
     if isinstance(state, Optimizer):
         raise NotImplementedError(
             "Loading a single optimizer object from a checkpoint is not supported yet with the FSDP strategy."
             " Load it together with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
         )
-    module_key = _fsdp_module_key(state)
-    optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
-    metadata_keys = frozenset(state) - {module_key} - set(optimizers)
-    return LoadRequest(state[module_key], module_key, optimizers, metadata_keys, strict, weights_only)
+    return state, _fsdp_module_key(state)
 
 
 def _raise_if_upstream_refuses_path(path: Path, error: Exception, raw: bool) -> None:

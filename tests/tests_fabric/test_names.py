@@ -2,7 +2,6 @@
 
 import logging
 import re
-from pathlib import Path
 
 import lightning_utilities.core.rank_zero as rank_zero_module
 import pytest
@@ -13,7 +12,6 @@ from torch import nn
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import detect_checkpoint, open_checkpoint
-from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, RankInfo, load
 from lightning_fsdp.loading.sources import TensorSpec
 from lightning_fsdp.loading.validation import TargetSpec, check_rename, plan_load
 from tests.tests_fabric.helpers.checkpoints import write_checkpoint
@@ -241,10 +239,11 @@ def _model(fabric: Fabric, seed: int, cls: type[nn.Module] = TinyTransformer) ->
     return fabric.setup_module(model)
 
 
-def _load(fabric: Fabric, path: str, module: nn.Module, **request) -> None:
-    module = getattr(module, "_forward_module", module)
-    ranks = RankInfo(world_size=2, local_rank=fabric.local_rank, local_world_size=2)
-    load(Path(path), LoadRequest(module, None, **request), ranks, LoadOptions(progress=False))
+def _load(fabric: Fabric, path: str, module: nn.Module, rename, strict: bool = True) -> None:
+    """What users write: `fabric.load_raw` inside the strategy's `load_options`."""
+    with fabric.strategy.load_options(rename=rename):
+        fabric.load_raw(path, module, strict=strict)
+    assert fabric.strategy._load_rename is None  # the option ends with the block
 
 
 class _Infos(logging.Handler):
