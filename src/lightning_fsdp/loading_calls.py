@@ -19,6 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
+from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
 
 
@@ -40,6 +41,13 @@ class LoadingStrategy(Protocol):
 
     @property
     def num_processes(self) -> int: ...
+
+
+def init_loading_options(strategy: LoadingStrategy, concurrency: Any, progress: bool) -> None:
+    """Check and set the loading arguments that both strategies take, and clear the per-load options."""
+    strategy.load_concurrency = validate_concurrency(concurrency)
+    strategy.load_progress = progress
+    strategy._load_rename = None
 
 
 def load_request(

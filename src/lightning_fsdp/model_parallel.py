@@ -32,9 +32,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
-from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename
-from lightning_fsdp.loading_calls import load_into_state, load_options, load_request
+from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -87,9 +86,7 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.load_concurrency = validate_concurrency(load_concurrency)
-        self.load_progress = load_progress
-        self._load_rename: Rename | None = None
+        init_loading_options(self, load_concurrency, load_progress)
 
     @override
     def load_checkpoint(

@@ -43,9 +43,8 @@ from lightning_fsdp.devices import (
 )
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import detect_checkpoint
-from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename
-from lightning_fsdp.loading_calls import load_into_state, load_options, load_request
+from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
@@ -117,9 +116,7 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             device_mesh=device_mesh,
             **kwargs,
         )
-        self.load_concurrency = validate_concurrency(load_concurrency)
-        self.load_progress = load_progress
-        self._load_rename: Rename | None = None
+        init_loading_options(self, load_concurrency, load_progress)
 
     @override
     def setup_environment(self) -> None:
