@@ -16,8 +16,8 @@
 Upstream destination: ``src/lightning/fabric/strategies/fsdp.py``.
 """
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -45,6 +45,13 @@ from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
+from lightning_fsdp.materialize import (
+    InitRecord,
+    MetaMaterializer,
+    attach_init_record,
+    has_meta_tensors,
+    shared_tensor_names,
+)
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
@@ -141,12 +148,31 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         CPU, where upstream's ``device_id=self.root_device.index`` is ``None`` and FSDP refuses it, the model is
         wrapped here with ``device_id=self.root_device``, as upstream does it otherwise.
 
+        A model created on the meta device (``fabric.init_module(empty_init=True)``) is materialised unit by unit on
+        the rank's device, as FSDP does, unless a ``param_init_fn`` was given: tensors that two modules share stay
+        one tensor, and each module is initialised by the model's own initialisation (``_init_weights`` of a Hugging
+        Face model, which also computes buffers such as RoPE's ``inv_freq``) and by ``reset_parameters()`` where that
+        leaves a tensor unwritten; a module without either is allowed. Floating-point tensors that nothing wrote are
+        filled with NaN, and a load that leaves any of them unwritten warns, naming them.
+
         """
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if not any(isinstance(submodule, FullyShardedDataParallel) for submodule in module.modules()):
+        wrapped = any(isinstance(submodule, FullyShardedDataParallel) for submodule in module.modules())
+        if not wrapped:
             _check_placement(module, self.root_device, where="before wrapping")
-        module = super().setup_module(module) if self.root_device.type != "cpu" else self._setup_module_on_cpu(module)
+        record = InitRecord(ties=shared_tensor_names(module))
+        materializer = None
+        if not wrapped and self._fsdp_kwargs.get("param_init_fn") is None and has_meta_tensors(module):
+            materializer = MetaMaterializer(module, self.root_device)
+        with _fsdp_kwargs_added(self._fsdp_kwargs, param_init_fn=materializer):
+            if self.root_device.type != "cpu":
+                module = super().setup_module(module)
+            else:
+                module = self._setup_module_on_cpu(module)
+        if materializer is not None:
+            record.uninitialized = materializer.uninitialized()
+        attach_init_record(module, record)
         _check_placement(module, self.root_device, where="after wrapping")
         return module
 
@@ -312,6 +338,22 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             "device_id": self.root_device,
             **self._fsdp_kwargs,
         }
+
+
+@contextmanager
+def _fsdp_kwargs_added(fsdp_kwargs: dict[str, Any], **added: Any) -> Iterator[None]:
+    """Pass ``added`` (except ``None`` values) to FSDP for one wrapping; the strategy's kwargs stay as they were."""
+    added = {key: value for key, value in added.items() if value is not None}
+    previous = {key: fsdp_kwargs[key] for key in added if key in fsdp_kwargs}
+    fsdp_kwargs.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            if key in previous:
+                fsdp_kwargs[key] = previous[key]
+            else:
+                fsdp_kwargs.pop(key, None)
 
 
 class _InvalidCheckpointPathError(CheckpointLoadError, ValueError):

@@ -1,0 +1,221 @@
+# Copyright The lightning-fsdp developers.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Materialise a model created on the meta device while FSDP wraps it, and remember what nothing initialised.
+
+``fabric.init_module(empty_init=True)`` creates every tensor on the meta device; FSDP materialises each unit as it
+wraps it, by calling ``reset_parameters()`` of every module that holds tensors. That fails for modules that have no
+such method (a Hugging Face ``LlamaRMSNorm``), and ``to_empty`` module by module unties weights that two modules
+share. :class:`MetaMaterializer` is FSDP's ``param_init_fn`` instead: for each module it allocates the tensors on the
+rank's device, reusing the tensor already allocated for one that two modules share, then runs the module's
+initialisation: the model's own (``_init_weights`` of the Hugging Face model that contains it), then
+``reset_parameters()`` if that left a tensor unwritten. It records which tensors each initialisation wrote; those
+that none did are filled with NaN (floating point) and named in an :class:`InitRecord` on the wrapped module, which
+the loader reads to warn about what a load left uninitialised, and to advise re-tying a missing tied weight.
+
+Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (``setup_module``'s default ``param_init_fn``).
+"""
+
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn import Module, Parameter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_fsdp.loading.shard_local import clean_name, join
+
+_RECORD_ATTRIBUTE = "_lightning_fsdp_init_record"
+
+
+@dataclass
+class InitRecord:
+    """What ``setup_module`` knows about a model's tensors that the loader needs: ties, and what is uninitialised."""
+
+    ties: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Name -> the other names of the same tensor, as the model was before wrapping (shared parameters, buffers)."""
+    uninitialized: set[str] = field(default_factory=set)
+    """Names of tensors materialised from the meta device that no initialisation and no load has written yet."""
+
+
+def init_record(module: Module) -> InitRecord | None:
+    """The record that ``setup_module`` attached to ``module``, if it is the module that ``setup_module`` returned."""
+    record = vars(module).get(_RECORD_ATTRIBUTE)  # not `getattr`: FSDP forwards unknown names to the wrapped module
+    return record if isinstance(record, InitRecord) else None
+
+
+def attach_init_record(module: Module, record: InitRecord) -> None:
+    """Keep ``record`` with the module that ``setup_module`` returns, for the loads into it."""
+    setattr(module, _RECORD_ATTRIBUTE, record)
+
+
+def shared_tensor_names(module: Module) -> dict[str, tuple[str, ...]]:
+    """Name -> the other names of the same parameter or buffer, for every tensor that ``module`` holds twice."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in _named_tensors(module):
+        groups.setdefault(id(tensor), []).append(clean_name(name))
+    ties: dict[str, tuple[str, ...]] = {}
+    for names in groups.values():
+        unique = list(dict.fromkeys(names))
+        for name in unique if len(unique) > 1 else ():
+            ties[name] = tuple(other for other in unique if other != name)
+    return ties
+
+
+def has_meta_tensors(module: Module) -> bool:
+    """Whether a parameter or buffer of ``module`` is on the meta device."""
+    return any(tensor.is_meta for _, tensor in _named_tensors(module))
+
+
+@dataclass
+class _Materialized:
+    """A meta tensor, the tensor that replaced it (weakly: FSDP frees it once flattened), its names, and its state."""
+
+    meta: torch.Tensor
+    tensor: "weakref.ref[torch.Tensor]"
+    names: list[str]
+    initialized: bool = False
+
+
+class MetaMaterializer:
+    """FSDP's ``param_init_fn`` for a model created on the meta device; see the module's docstring.
+
+    FSDP calls it once per module of each unit it wraps, parents before children. Tied tensors stay tied within a
+    unit (the only place where FSDP1 supports them). Modules whose tensors are all materialised already are skipped.
+
+    Args:
+        root: The model, before wrapping: the names recorded are the names of its tensors.
+        device: Where to allocate the tensors (the rank's own device).
+
+    """
+
+    def __init__(self, root: Module, device: torch.device) -> None:
+        self.device = device
+        self._module_names: dict[int, list[str]] = {}
+        for name, submodule in root.named_modules(remove_duplicate=False):
+            self._module_names.setdefault(id(submodule), []).append(name)
+        self._model_init = _model_init_functions(root)
+        self._materialized: dict[int, _Materialized] = {}
+
+    def __call__(self, module: Module) -> None:
+        created = self._allocate(module)
+        if not created:
+            return
+        with torch.no_grad():
+            unwritten = self._initialize(module, created)
+            for entry in unwritten:
+                tensor = entry.tensor()
+                if tensor is not None and tensor.is_floating_point():
+                    # Uninitialised memory that reaches the logits makes them silently wrong; NaN makes them loudly so.
+                    tensor.fill_(float("nan"))
+
+    def uninitialized(self) -> set[str]:
+        """The names of the tensors that no initialisation wrote (a later one that shares them may have)."""
+        return {name for entry in self._materialized.values() if not entry.initialized for name in entry.names}
+
+    def _allocate(self, module: Module) -> list[_Materialized]:
+        """Replace the module's own meta tensors with empty ones on the device; a shared one is allocated once."""
+        created = []
+        prefixes = self._module_names.get(id(module), [])
+        for registry in (module._parameters, module._buffers):
+            for name, tensor in registry.items():
+                if tensor is None or not tensor.is_meta:
+                    continue
+                entry = self._materialized.get(id(tensor))
+                replacement = entry.tensor() if entry is not None else None
+                if replacement is None:
+                    replacement = torch.empty_like(tensor, device=self.device)
+                    if isinstance(tensor, Parameter):
+                        replacement = Parameter(replacement, requires_grad=tensor.requires_grad)
+                    entry = _Materialized(tensor, weakref.ref(replacement), [])
+                    self._materialized[id(tensor)] = entry
+                entry.names.extend(clean_name(join(prefix, name)) for prefix in prefixes)
+                registry[name] = replacement
+                created.append(entry)
+        return created
+
+    def _initialize(self, module: Module, created: list[_Materialized]) -> list[_Materialized]:
+        """Run the model's initialisation, then ``reset_parameters()`` if needed; return what neither wrote."""
+        unwritten = [entry for entry in created if not entry.initialized]
+        steps: list[Callable[[], Any]] = []
+        model_init = self._model_init.get(id(module))
+        if model_init is not None:
+            steps.append(lambda: model_init(module))
+        reset_parameters = getattr(module, "reset_parameters", None)
+        if callable(reset_parameters):
+            steps.append(reset_parameters)
+        for step in steps:
+            if not unwritten:
+                break
+            with _WriteRecorder() as recorder:
+                step()
+            for entry in unwritten:
+                entry.initialized = recorder.wrote(module, entry)
+            unwritten = [entry for entry in unwritten if not entry.initialized]
+        return unwritten
+
+
+class _WriteRecorder(TorchDispatchMode):
+    """Records the storages that operators write into (``normal_``, ``copy_``, ``fill_``, ... through any view)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._written: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        schema_arguments = func._schema.arguments
+        for index, argument in enumerate(schema_arguments):
+            alias = argument.alias_info
+            if alias is None or not alias.is_write:
+                continue
+            value = args[index] if index < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+            for tensor in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                    self._written.add(tensor.untyped_storage().data_ptr())
+        return func(*args, **kwargs)
+
+    def wrote(self, module: Module, entry: _Materialized) -> bool:
+        tensor = entry.tensor()
+        if tensor is None or tensor.numel() == 0:
+            return True
+        current = [value for value in (*module._parameters.values(), *module._buffers.values()) if value is not None]
+        if not any(value is tensor for value in current):
+            return True  # the initialisation replaced it with a tensor of its own
+        return tensor.untyped_storage().data_ptr() in self._written
+
+
+def _model_init_functions(root: Module) -> dict[int, Callable[[Module], None]]:
+    """For each module inside a Hugging Face model: that model's ``_init_weights`` (the nearest one, as HF does)."""
+    transformers = sys.modules.get("transformers")  # a model of that library means it is imported already
+    pretrained_model = getattr(transformers, "PreTrainedModel", None)
+    if pretrained_model is None:
+        return {}
+    functions: dict[int, Callable[[Module], None]] = {}
+    stack: list[tuple[Module, Callable[[Module], None] | None]] = [(root, None)]
+    while stack:
+        module, init = stack.pop()
+        if isinstance(module, pretrained_model) and callable(getattr(module, "_init_weights", None)):
+            init = module._init_weights
+        if init is not None:
+            functions[id(module)] = init
+        stack.extend((child, init) for child in module.children())
+    return functions
+
+
+def _named_tensors(module: Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
