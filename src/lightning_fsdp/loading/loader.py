@@ -24,12 +24,20 @@ from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dte
 from lightning_fsdp.loading.optimizer import local_optimizer_state
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
-from lightning_fsdp.loading.shard_local import ModuleTargets, ShardLocalUnsupported, collect_targets, copy_into_module
+from lightning_fsdp.loading.shard_local import (
+    ModuleTargets,
+    ShardLocalUnsupported,
+    clean_name,
+    collect_targets,
+    copy_into_module,
+    join,
+)
 from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint
 from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
-from lightning_fsdp.loading.validation import LoadPlan, Rename, TargetSpec, check_whole_module, plan_load
+from lightning_fsdp.loading.validation import LoadPlan, Rename, TargetSpec, _names, check_whole_module, plan_load
+from lightning_fsdp.materialize import init_record
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,8 @@ class LoadResult:
     """Entries of a Fabric checkpoint that nobody asked for."""
     skipped: str = ""
     """With ``strict=False``: what was left out, for a warning (empty when nothing was)."""
+    written: frozenset[str] | None = None
+    """The model's names of the tensors the load wrote (tied aliases included); ``None``: every persistent one."""
 
 
 @dataclass
@@ -86,6 +96,7 @@ class _Prepared:
     plan: LoadPlan
     optimizer_states: dict[str, dict]
     fallback_optimizers: set[str]
+    written: frozenset[str] = frozenset()
 
 
 _warned_fallbacks: set[str] = set()
@@ -119,14 +130,17 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
     with bar, stagger, _one_error_type():
         detected = detect_checkpoint(path)
         if detected.format is CheckpointFormat.FABRIC_SHARDED:
-            return _load_sharded(path, request, stagger)
-        if collected is not None and detected.reads_whole(request.weights_only):
+            result = _load_sharded(path, request, stagger)
+        elif collected is not None and detected.reads_whole(request.weights_only):
             with stagger.turn(source_bytes=detected.nbytes):
                 opened = open_checkpoint(detected, request.module_key, request.weights_only)
-                return _load_file(request, opened, collected, ranks, bar)
-        # FSDP's own path (collected is None) runs collectives, which must never run inside a turn.
-        opened = open_checkpoint(detected, request.module_key, request.weights_only)
-        return _load_file(request, opened, collected, ranks, bar, stagger)
+                result = _load_file(request, opened, collected, ranks, bar)
+        else:
+            # FSDP's own path (collected is None) runs collectives, which must never run inside a turn.
+            opened = open_checkpoint(detected, request.module_key, request.weights_only)
+            result = _load_file(request, opened, collected, ranks, bar, stagger)
+    _warn_uninitialized(path, request.module, result.written)
+    return result
 
 
 @contextmanager
@@ -170,7 +184,9 @@ def _load_file(
             if key not in request.metadata_keys and key not in request.optimizers
         }
         # Whatever the caller keeps must outlive the source, which is closed (and, in a turn, freed) right after.
-        return LoadResult(materialize(requested), materialize(remainder), prepared.plan.skipped_summary())
+        return LoadResult(
+            materialize(requested), materialize(remainder), prepared.plan.skipped_summary(), prepared.written
+        )
     finally:
         opened.close()
 
@@ -212,7 +228,9 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
     _check_requested_keys(request, opened)
     check_whole_module(request.module)
     targets = collected.specs() if collected is not None else _unsharded_specs(request.module)
-    plan = plan_load(targets, opened.source.specs(), strict=request.strict, rename=request.rename)
+    plan = plan_load(
+        targets, opened.source.specs(), strict=request.strict, rename=request.rename, ties=_ties(request.module)
+    )
     optimizer_states: dict[str, dict] = {}
     fallback: set[str] = set()
     for key, optimizer in request.optimizers.items():
@@ -227,7 +245,8 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
                 _warn_fallback(f"optimizer {key!r}: {reason}")
         optimizer_states[key] = materialize(saved)
         fallback.add(key)
-    return _Prepared(plan, optimizer_states, fallback)
+    written = frozenset(name for target in targets if target.names[0] in plan.sources for name in target.names)
+    return _Prepared(plan, optimizer_states, fallback, written)
 
 
 def _apply(
@@ -312,6 +331,57 @@ def _load_optimizer_with_dtensors(module: Module, optimizer: Optimizer, state: M
     rekeyed = _rekey_optimizer_state_if_needed(dict(state), module)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_optimizer_state_dict(module, optimizer, optim_state_dict=rekeyed, options=options)
+
+
+def _ties(module: Module) -> dict[str, set[str]]:
+    """Model name -> the names it is tied to, as the model was before wrapping or as a Hugging Face model declares.
+
+    ``setup_module`` records the tensors that the model held twice; a Hugging Face model's ``all_tied_weights_keys``
+    holds the ties that its config asks for.
+
+    """
+    record = init_record(module)
+    ties: dict[str, set[str]] = {name: set(others) for name, others in (record.ties if record else {}).items()}
+    for module_name, submodule in module.named_modules():
+        declared = vars(submodule).get("all_tied_weights_keys")  # not `getattr`: FSDP forwards unknown names
+        if not isinstance(declared, Mapping):
+            continue
+        prefix = clean_name(module_name)
+        for target, source in declared.items():
+            if isinstance(target, str) and isinstance(source, str):
+                ties.setdefault(join(prefix, target), set()).add(join(prefix, source))
+                ties.setdefault(join(prefix, source), set()).add(join(prefix, target))
+    return ties
+
+
+def _warn_uninitialized(path: Path, module: Module, written: frozenset[str] | None) -> None:
+    """Forget what the load wrote; warn (rank 0) about the tensors that remain uninitialised since ``setup_module``."""
+    record = init_record(module)
+    if record is None or not record.uninitialized:
+        return
+    if written is None:
+        record.uninitialized &= _non_persistent_buffer_names(module)
+    else:
+        record.uninitialized -= written
+    if not record.uninitialized:
+        return
+    names = sorted(record.uninitialized)
+    rank_zero_warn(
+        f"After loading {str(path)!r}, the model still holds {len(names)} tensor(s) that nothing initialised:"
+        f" {_names(names)}. `fabric.init_module(empty_init=True)` created them on the meta device, and neither their"
+        " module's `reset_parameters()` nor the model's own initialisation (`_init_weights` of a Hugging Face model)"
+        " nor this checkpoint wrote them, so they hold NaN (floating point) or arbitrary values. Load a checkpoint"
+        " that holds them, or give their modules a `reset_parameters()` that sets them (a non-persistent buffer,"
+        " which no checkpoint holds, must be set there)."
+    )
+
+
+def _non_persistent_buffer_names(module: Module) -> set[str]:
+    return {
+        clean_name(join(module_name, name))
+        for module_name, submodule in module.named_modules()
+        for name in submodule._non_persistent_buffers_set
+    }
 
 
 def _warn_fallback(reason: str) -> None:

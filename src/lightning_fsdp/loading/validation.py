@@ -95,7 +95,11 @@ def check_rename(rename: Any) -> None:
 
 
 def plan_load(
-    targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], strict: bool, rename: Rename | None = None
+    targets: Sequence[TargetSpec],
+    specs: Mapping[str, TensorSpec],
+    strict: bool,
+    rename: Rename | None = None,
+    ties: Mapping[str, Iterable[str]] | None = None,
 ) -> LoadPlan:
     """Match the checkpoint's tensors to the model's, or raise one error that lists every problem.
 
@@ -104,7 +108,8 @@ def plan_load(
     every checkpoint name, makes every model tensor match, it is applied and said in one info line. Tied weights
     count as present when any of their names is in the checkpoint. Floating-point tensors of another dtype are cast
     (a bf16 file into an fp32 model); other dtype changes and shape mismatches are errors even with ``strict=False``,
-    as in :meth:`torch.nn.Module.load_state_dict`.
+    as in :meth:`torch.nn.Module.load_state_dict`. ``ties`` (model name -> the names the model ties it to) turns the
+    advice for a missing tied copy of a tensor that the checkpoint holds into re-tying them, not ``strict=False``.
 
     """
     check_rename(rename)
@@ -133,7 +138,10 @@ def plan_load(
         problems.append(f"no checkpoint tensor matches a model tensor (checkpoint keys: {_names(list(specs))})")
     if problems:
         fixes = _advice(targets, list(specs), rename, plan, ambiguous)
-        if strict and plan.sources and not shape_mismatches and not dtype_mismatches:
+        untied = _untied_copies(targets, plan, ties or {}) if strict else {}
+        if untied:
+            fixes.append(_retie_advice(untied))
+        elif strict and plan.sources and not shape_mismatches and not dtype_mismatches:
             fixes.append("To load only the tensors that match, pass `strict=False`.")
         raise CheckpointLoadError(
             "The checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
@@ -175,6 +183,31 @@ def _match(
         plan.sources[target.names[0]] = source_name
     plan.unexpected = [original for name, original in originals.items() if name not in expected_names]
     return plan, shape_mismatches, dtype_mismatches
+
+
+def _untied_copies(targets: Sequence[TargetSpec], plan: LoadPlan, ties: Mapping[str, Iterable[str]]) -> dict[str, str]:
+    """Missing name -> the name of a tensor it is tied to that the checkpoint feeds, with the same shape and dtype."""
+    shapes = {name: (target.shape, target.dtype) for target in targets for name in target.names}
+    untied = {}
+    for missing in plan.missing:
+        partner = next(
+            (name for name in ties.get(missing, ()) if name in plan.sources and shapes.get(name) == shapes[missing]),
+            None,
+        )
+        if partner is not None:
+            untied[missing] = partner
+    return untied
+
+
+def _retie_advice(untied: Mapping[str, str]) -> str:
+    pairs = _first([f"{missing!r} to {partner!r}" for missing, partner in untied.items()])
+    return (
+        f"The model ties {pairs}, which the checkpoint holds, but the tied names are separate tensors now, so loading"
+        " one leaves the other as it is: `strict=False` would leave the missing one uninitialised. Keep them tied: let"
+        " `fabric.setup_module` materialise a model created with `fabric.init_module(empty_init=True)` (it keeps ties;"
+        " a `param_init_fn` that calls `to_empty` breaks them), or re-tie them before `fabric.setup_module` (after any"
+        " `to_empty`), with `model.tie_weights()` for a Hugging Face model."
+    )
 
 
 def check_whole_module(module: Module) -> None:
