@@ -39,7 +39,15 @@ setup(
         "typing-extensions>=4.4",
     ],
     extras_require={
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "ruff>=0.17,<0.18", "psutil>=5.9", "click>=8.1"],
+        "test": [
+            "pytest>=8.0",
+            "pytest-timeout>=2.3",
+            "ruff>=0.17,<0.18",
+            "psutil>=5.9",
+            "click>=8.1",
+            # 5.1 is the first release whose models, created on the meta device, tie their weights as on CPU.
+            "transformers>=5.1,<6",
+        ],
         "docs": ["sphinx>=7.2", "myst-parser>=2.0"],
     },
     entry_points={"console_scripts": ["lightning-fsdp=lightning_fsdp.cli:main"]},

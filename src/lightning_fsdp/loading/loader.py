@@ -346,11 +346,11 @@ def _ties(module: Module) -> dict[str, set[str]]:
         declared = vars(submodule).get("all_tied_weights_keys")  # not `getattr`: FSDP forwards unknown names
         if not isinstance(declared, Mapping):
             continue
-        prefix = clean_name(module_name)
         for target, source in declared.items():
             if isinstance(target, str) and isinstance(source, str):
-                ties.setdefault(join(prefix, target), set()).add(join(prefix, source))
-                ties.setdefault(join(prefix, source), set()).add(join(prefix, target))
+                target, source = clean_name(join(module_name, target)), clean_name(join(module_name, source))
+                ties.setdefault(target, set()).add(source)
+                ties.setdefault(source, set()).add(target)
     return ties
 
 
