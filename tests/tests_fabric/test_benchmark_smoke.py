@@ -15,6 +15,9 @@ from lightning.fabric import Fabric
 from lightning_fsdp import FSDPStrategy
 from tests.tests_fabric.helpers.distributed import run_distributed
 
+# Tests of the package itself (its opt-in, CLI, docs, benchmark): `python -m lightning_fsdp.upstream` leaves them out.
+pytestmark = pytest.mark.package_only
+
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_load.py"
 
 

@@ -15,6 +15,9 @@ import lightning_fsdp
 from lightning_fsdp import FSDPStrategy
 from tests.tests_fabric.helpers.env import without_launcher_variables
 
+# Tests of the package itself (its opt-in, CLI, docs, benchmark): `python -m lightning_fsdp.upstream` leaves them out.
+pytestmark = pytest.mark.package_only
+
 _SCRIPT = Path(__file__).parent / "scripts" / "downstream_script.py"
 
 
