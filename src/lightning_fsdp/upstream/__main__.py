@@ -21,6 +21,7 @@ from lightning_fsdp.upstream import UpstreamError, plan
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Write the change into the tree given on the command line; print the summary. Returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_fsdp.upstream",
         description="Write lightning-fsdp's change into a Lightning source tree (a git checkout or an unpacked sdist).",

@@ -113,7 +113,9 @@ class Plan:
         scale = min(1.0, 60 / largest)
         lines = []
         for path, added, removed in rows:
-            bar = "+" * max(int(added * scale), 1 if added else 0) + "-" * max(int(removed * scale), 1 if removed else 0)
+            bar = "+" * max(int(added * scale), 1 if added else 0) + "-" * max(
+                int(removed * scale), 1 if removed else 0
+            )
             lines.append(f" {path:<{width}} | {added + removed:>5} {bar}")
         lines.append(
             f" {len(rows)} files changed, {total_added} insertions(+), {total_removed} deletions(-)"
@@ -161,7 +163,12 @@ def plan(tree: Path) -> Plan:
         rewritten = rewrite_python(ours[name].read_text(), names, _ours_path(ours[name]))
         result.notes.extend(rewritten.notes)
         result.changes.append(
-            Change(path, target.text, merge_module(target, target_module, Source(rewritten.text, _ours_path(ours[name]))), name)
+            Change(
+                path,
+                target.text,
+                merge_module(target, target_module, Source(rewritten.text, _ours_path(ours[name]))),
+                name,
+            )
         )
     loading_dir = PACKAGE_DIR / "loading"
     cycle = set(targets.values())
@@ -210,7 +217,9 @@ def _targets(ours: dict[str, Path]) -> dict[str, str]:
 
 
 def _not_carried(ours: dict[str, Path]) -> dict[str, str]:
-    return {f"{name}.py" if ours[name].is_file() else f"{name}/": why for name, why in NOT_CARRIED.items() if name in ours}
+    return {
+        f"{name}.py" if ours[name].is_file() else f"{name}/": why for name, why in NOT_CARRIED.items() if name in ours
+    }
 
 
 def _module_path(module: str, package: bool = False) -> str:
@@ -247,7 +256,11 @@ def _name_map(root: Path, ours: dict[str, Path], targets: dict[str, str]) -> Nam
             for alias in node.names:
                 exported = alias.asname or alias.name
                 name = node.module.split(".")[1]
-                if name in targets and upstream_base(ours[name].read_text(), name) and exported in exported_by_strategies:
+                if (
+                    name in targets
+                    and upstream_base(ours[name].read_text(), name)
+                    and exported in exported_by_strategies
+                ):
                     exports[f"lightning_fsdp.{exported}"] = f"lightning.fabric.strategies.{exported}"
                 elif any(node.module == ours_ or node.module.startswith(ours_ + ".") for ours_ in modules):
                     mapped = NameMap(modules, {}).map(f"{node.module}.{alias.name}")
@@ -255,8 +268,10 @@ def _name_map(root: Path, ours: dict[str, Path], targets: dict[str, str]) -> Nam
                         exports[f"lightning_fsdp.{exported}"] = mapped
     if "strategy" in targets:
         exports["lightning_fsdp"] = targets["strategy"]
-    known = {f"lightning_fsdp.{path.relative_to(PACKAGE_DIR).with_suffix('').as_posix().replace('/', '.')}"
-             for path in PACKAGE_DIR.rglob("*.py")}
+    known = {
+        f"lightning_fsdp.{path.relative_to(PACKAGE_DIR).with_suffix('').as_posix().replace('/', '.')}"
+        for path in PACKAGE_DIR.rglob("*.py")
+    }
     known = {name.removesuffix(".__init__") for name in known} | {"lightning_fsdp"}
     tests_dir = PROJECT_DIR / "tests" / "tests_fabric"
     if tests_dir.is_dir():
@@ -294,22 +309,28 @@ def _check_supported(root: Path, found: str, modules: list[str]) -> None:
         expected, actual = _definitions(reference), _definitions(_read(root / path))
         changed = sorted(key for key in expected.keys() | actual.keys() if expected.get(key) != actual.get(key))
         if changed:
-            shown = ", ".join(f"`{key}`" for key in changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+            shown = ", ".join(f"`{key}`" for key in changed[:12]) + (
+                f" and {len(changed) - 12} more" if len(changed) > 12 else ""
+            )
             differences.append(f"  - {path}: {shown}")
     if differences:
         raise UpstreamError(
             f"{root} does not look like lightning {installed}, the release this package supports and is installed here:"
-            f" it holds lightning {found}, and these definitions differ from {installed}'s:\n"
+            f" it holds lightning {found} (says its version.info), and these definitions differ from {installed}'s:\n"
             + "\n".join(differences)
-            + f"\nApply the command to the sources of lightning {installed} (`git checkout {installed}`, or"
+            + f"\nApply the command to the sources of lightning {installed} (its git tag, or"
             f" `pip download --no-binary :all: --no-deps lightning=={installed}`). docs/source-fabric/upstream.rst says"
             " what targeting Lightning's master takes."
         )
 
 
 def _localize_imports(source: Source, modules: set[str]) -> str:
-    """Move top-level imports from the modules we merge into (which import this package) into the functions that use
-    them, as Lightning does to break import cycles."""
+    """Move top-level imports from the modules we merge into into the functions that use them.
+
+    Those modules import the loading package, so a top-level import back would be a cycle; Lightning imports inside
+    functions in that case too.
+
+    """
     edits = []
     localized: dict[str, str] = {}
     for node in source.tree.body:
@@ -352,13 +373,15 @@ def _allow_cpu(connector: Source) -> str:
     for node in ast.walk(connector.tree):
         if isinstance(node, ast.If) and len(node.body) == 1 and isinstance(node.body[0], ast.Raise) and not node.orelse:
             message = " ".join(
-                value.value for value in ast.walk(node.body[0]) if isinstance(value, ast.Constant) and isinstance(value.value, str)
+                value.value
+                for value in ast.walk(node.body[0])
+                if isinstance(value, ast.Constant) and isinstance(value.value, str)
             )
             if "FSDP" in message and "GPU" in message and "FSDPStrategy" in ast.unparse(node.test):
                 return apply_edits(connector.text, [Edit(*connector.block(node), "")])
     raise UpstreamError(
-        f"{connector.name}: the check that refuses `FSDPStrategy` without a GPU was not found, so the tree does not look"
-        " like the supported release."
+        f"{connector.name}: the check that refuses `FSDPStrategy` without a GPU was not found, so the tree does not"
+        " look like the supported release."
     )
 
 
@@ -469,7 +492,7 @@ def _relink_includes(
 
 
 def destinations() -> dict[str, str]:
-    """This project's source paths and where the command writes them (the table in docs/source-fabric/upstream.rst)."""
+    """Map this project's source paths to where the command writes them (the table in upstream.rst)."""
     ours = _our_modules()
     table = {}
     for name, path in sorted(ours.items()):
@@ -488,4 +511,3 @@ def destinations() -> dict[str, str]:
     table["docs/source-fabric/examples/"] = EXAMPLES_DIR + "/"
     table["CHANGELOG.md"] = CHANGELOG
     return table
-

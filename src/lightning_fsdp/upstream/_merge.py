@@ -281,10 +281,13 @@ def _merge_init(
         zip(
             [arg.arg for arg in [*ours_args.posonlyargs, *ours_args.args]][::-1],
             ours_args.defaults[::-1],
+            strict=False,
         )
     )
-    defaults.update({arg.arg: default for arg, default in zip(ours_args.kwonlyargs, ours_args.kw_defaults) if default})
-    new = [arg for arg in [*ours_args.args, *ours_args.kwonlyargs] if arg.arg not in upstream_names + ["self"]]
+    defaults.update(
+        {arg.arg: default for arg, default in zip(ours_args.kwonlyargs, ours_args.kw_defaults, strict=True) if default}
+    )
+    new = [arg for arg in [*ours_args.args, *ours_args.kwonlyargs] if arg.arg not in [*upstream_names, "self"]]
     calls = [
         (index, statement)
         for index, statement in enumerate(init.body)
@@ -339,7 +342,9 @@ def _argument_assignments(
             assignments.append(f"{name} = {ours.segment(value)}")
     for keyword in call.keywords:
         if keyword.arg is None:
-            if not (isinstance(keyword.value, ast.Name) and init.args.kwarg and keyword.value.id == init.args.kwarg.arg):
+            if not (
+                isinstance(keyword.value, ast.Name) and init.args.kwarg and keyword.value.id == init.args.kwarg.arg
+            ):
                 raise UpstreamError(f"{ours.name}:{call.lineno}: cannot merge `super().__init__(**...)`.")
             continue
         if not (isinstance(keyword.value, ast.Name) and keyword.value.id == keyword.arg):

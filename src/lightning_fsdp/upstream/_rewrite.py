@@ -102,11 +102,12 @@ def module_is_package_only(text: str) -> bool:
     if PACKAGE_ONLY_COMMENT in text:
         return True
     for node in ast.parse(text).body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(target, ast.Name) and target.id == "pytestmark" for target in node.targets)
+            and _PACKAGE_ONLY in ast.unparse(node.value)
         ):
-            if _PACKAGE_ONLY in ast.unparse(node.value):
-                return True
+            return True
     return False
 
 
@@ -156,7 +157,11 @@ def rewrite_python(text: str, names: NameMap, name: str) -> Rewritten:
             if rewritten.text != token.string:
                 edits.append(Edit(start, end, rewritten.text))
             notes.extend(rewritten.notes)
-        elif token.type == tokenize.NAME and token.string in ("lightning_fsdp", "tests") and not _after_dot(tokens, index):
+        elif (
+            token.type == tokenize.NAME
+            and token.string in ("lightning_fsdp", "tests")
+            and not _after_dot(tokens, index)
+        ):
             chain, last = _dotted_chain(tokens, index)
             if is_ours(chain):
                 mapped = names.map(chain)
@@ -239,7 +244,9 @@ def _rewrite_bare_import(node: ast.Import, source: Source, names: NameMap, modul
     lines = [f"import {alias.name}" for alias in node.names if not is_ours(alias.name)]
     lines += [f"import {module}" for module in dict.fromkeys(modules)]
     lines += [
-        f"import {names.map(alias.name)} as {alias.asname}" for alias in node.names if alias.asname and is_ours(alias.name)
+        f"import {names.map(alias.name)} as {alias.asname}"
+        for alias in node.names
+        if alias.asname and is_ours(alias.name)
     ]
     return _statements(lines, source, node) or "pass"
 

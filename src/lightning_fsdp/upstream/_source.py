@@ -106,7 +106,7 @@ def apply_edits(text: str, edits: list[Edit]) -> str:
 
 
 def docstring_node(body: list[ast.stmt]) -> ast.stmt | None:
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):  # noqa: SIM102
         if isinstance(body[0].value.value, str):
             return body[0]
     return None
