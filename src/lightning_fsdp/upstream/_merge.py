@@ -76,8 +76,12 @@ def merge_module(target: Source, target_module: str, ours: Source) -> str:
     """Merge ``ours`` (imports already rewritten to upstream's names) into ``target``; return the new text."""
     ours = _resolve_self_references(ours, target_module)
     target_bindings = _bindings(target.tree.body)
+    target_type_checking = _bindings(
+        [statement for node in target.tree.body if is_type_checking_block(node) for statement in node.body]  # type: ignore[attr-defined]
+    )
     target_defined = {name for node in target.tree.body for name in bound_names(node)}
     classes = {node.name: node for node in target.tree.body if isinstance(node, ast.ClassDef)}
+    same_as_upstream = {ast.dump(node) for node in target.tree.body}
     edits: list[Edit] = []
     new_imports: dict[str, list[str]] = {}
     new_type_checking: dict[str, list[str]] = {}
@@ -93,7 +97,12 @@ def merge_module(target: Source, target_module: str, ours: Source) -> str:
                 existing = target_bindings.get(bound)
                 if existing == binding or (existing is not None and _same_object(existing, binding)):
                     continue
-                if existing is not None or bound in target_defined:
+                checked = target_type_checking.get(bound)
+                if checked is not None and (checked == binding or _same_object(checked, binding)):
+                    if is_type_checking_block(node):
+                        continue
+                    # Upstream imports it for type checking only; our code needs it at run time too.
+                elif existing is not None or bound in target_defined:
                     raise UpstreamError(
                         f"{ours.name} binds `{bound}` as `{binding.text(bound)}`, but {target.name} already defines"
                         f" `{bound}` otherwise: rename it in {ours.name}."
@@ -109,6 +118,8 @@ def merge_module(target: Source, target_module: str, ours: Source) -> str:
         elif isinstance(node, ast.ClassDef) and node.name in classes and _subclasses_upstream(node, ours):
             edits.extend(_merge_class(target, classes[node.name], ours, node))
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Assign | ast.AnnAssign):
+            if ast.dump(node) in same_as_upstream:
+                continue  # e.g. a ``TypeVar`` that repeats upstream's
             for bound in bound_names(node):
                 if bound in target_defined:
                     raise UpstreamError(
@@ -356,12 +367,12 @@ def _signature_edit(
     target: Source, upstream_init: ast.FunctionDef, ours: Source, new: list[ast.arg], defaults: dict[str, ast.expr]
 ) -> Edit:
     kwarg = upstream_init.args.kwarg
-    if kwarg is None:
-        raise UpstreamError(f"{target.name}: upstream's `__init__` takes no `**kwargs`; add the new arguments by hand.")
     star = not upstream_init.args.vararg and not upstream_init.args.kwonlyargs
     parameters = (["*"] if star else []) + [
         ours.segment(arg) + (f" = {ours.segment(defaults[arg.arg])}" if arg.arg in defaults else "") for arg in new
     ]
+    if kwarg is None:
+        return _append_parameters(target, upstream_init, parameters)
     line = target.lines[kwarg.lineno - 1]
     if line.strip().startswith("**"):
         indent = indentation(line)
@@ -369,6 +380,21 @@ def _signature_edit(
         return Edit(position, position, "".join(f"{indent}{parameter},\n" for parameter in parameters))
     position = target.offset(kwarg.lineno, kwarg.col_offset) - 2
     return Edit(position, position, "".join(f"{parameter}, " for parameter in parameters))
+
+
+def _append_parameters(target: Source, upstream_init: ast.FunctionDef, parameters: list[str]) -> Edit:
+    """Add parameters after the last one of a signature without ``**kwargs``."""
+    args = upstream_init.args
+    nodes: list[ast.AST] = [*args.posonlyargs, *args.args, *args.defaults, *args.kwonlyargs]
+    nodes += [default for default in args.kw_defaults if default is not None]
+    last = max(nodes, key=lambda node: (node.end_lineno, node.end_col_offset))  # type: ignore[attr-defined]
+    end = target.offset(last.end_lineno, last.end_col_offset)  # type: ignore[attr-defined]
+    line = target.lines[last.end_lineno - 1]  # type: ignore[attr-defined]
+    if line.rstrip().endswith(","):
+        indent = indentation(line)
+        position = target.line_start(last.end_lineno + 1)  # type: ignore[attr-defined]
+        return Edit(position, position, "".join(f"{indent}{parameter},\n" for parameter in parameters))
+    return Edit(end, end, "".join(f", {parameter}" for parameter in parameters))
 
 
 def _docstring_edit(
