@@ -45,7 +45,7 @@ class TargetSpec:
 
 
 @dataclass
-class LoadPlan:
+class NamePlan:
     """Which checkpoint tensor feeds which model tensor, and what was left out."""
 
     sources: dict[str, str] = field(default_factory=dict)
@@ -96,7 +96,7 @@ def check_rename(rename: Any) -> None:
 
 def plan_load(
     targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], strict: bool, rename: Rename | None = None
-) -> LoadPlan:
+) -> NamePlan:
     """Match the checkpoint's tensors to the model's, or raise one error that lists every problem.
 
     The checkpoint's names are renamed first (see :func:`check_rename`); the plan still reads each tensor by its
@@ -150,9 +150,9 @@ def plan_load(
 
 def _match(
     targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], originals: Mapping[str, str]
-) -> tuple[LoadPlan, list[str], list[str]]:
+) -> tuple[NamePlan, list[str], list[str]]:
     """The plan for the checkpoint's tensors under new names (``originals``: new name -> name in the file)."""
-    plan = LoadPlan()
+    plan = NamePlan()
     expected_names: set[str] = set()
     shape_mismatches: list[str] = []
     dtype_mismatches: list[str] = []
@@ -329,7 +329,7 @@ def _advice(
     targets: Sequence[TargetSpec],
     names: list[str],
     rename: Rename | None,
-    plan: LoadPlan,
+    plan: NamePlan,
     ambiguous: list[dict[str, str]],
 ) -> list[str]:
     """What would make this checkpoint load, as a ``rename`` value to pass."""
@@ -371,7 +371,7 @@ def _best_candidate(targets: Sequence[TargetSpec], names: list[str]) -> tuple[di
     return best, best_matched
 
 
-def _leaving_out(plan: LoadPlan) -> dict[str, str | None] | None:
+def _leaving_out(plan: NamePlan) -> dict[str, str | None] | None:
     """``plan.aligned`` plus the prefixes that leave out the unexpected tensors, if a few prefixes do so safely."""
     used = set(plan.sources.values())
     groups = dict.fromkeys(name.split(".", 1)[0] + "." if "." in name else name for name in plan.unexpected)
