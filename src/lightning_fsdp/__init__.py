@@ -7,12 +7,14 @@ _check_supported_versions()
 from lightning_fsdp.__about__ import __version__  # noqa: E402
 from lightning_fsdp.loading.convert import convert_checkpoint  # noqa: E402
 from lightning_fsdp.loading.errors import CheckpointLoadError  # noqa: E402
+from lightning_fsdp.model_parallel import ModelParallelStrategy  # noqa: E402
 from lightning_fsdp.opt_in import disable, enable, is_enabled  # noqa: E402
 from lightning_fsdp.strategy import FSDPStrategy  # noqa: E402
 
 __all__ = [
     "CheckpointLoadError",
     "FSDPStrategy",
+    "ModelParallelStrategy",
     "__version__",
     "convert_checkpoint",
     "disable",

@@ -18,20 +18,17 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py``.
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
-from lightning.fabric.strategies.fsdp import (
-    _has_fsdp_modules,
-    _is_sharded_checkpoint,
-    _move_torchmetrics_to_device,
-    _setup_activation_checkpointing,
-)
+from lightning.fabric.strategies import fsdp as _upstream
 from lightning.fabric.strategies.strategy import _apply_filter
-from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
-from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.nn import Module
@@ -44,8 +41,15 @@ from lightning_fsdp.devices import (
     _check_placement,
     _own_cuda_device,
 )
-from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, RankInfo, load
-from lightning_fsdp.loading.turns import validate_concurrency
+from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.formats import detect_checkpoint
+from lightning_fsdp.loading.validation import Rename
+from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
+
+if TYPE_CHECKING:
+    from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
 
 class FSDPStrategy(_UpstreamFSDPStrategy):
@@ -59,24 +63,60 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
     - :meth:`load_checkpoint` (``fabric.load``, ``fabric.load_raw``) reads raw module state dicts, safetensors and
       Hugging Face checkpoints besides Fabric's own, shard-locally and without one copy of the file per rank.
 
+    Its parameters are upstream's, in the same order, with the same defaults and annotations (``**kwargs`` go to
+    :class:`torch.distributed.fsdp.FullyShardedDataParallel`), followed by two keyword-only ones:
+
     Arguments:
-        \*args: Passed to :class:`lightning.fabric.strategies.FSDPStrategy`.
         load_concurrency: How many ranks of a node may hold a checkpoint that must be read whole (a pickled file
             loaded with ``weights_only=False``) in host memory at the same time. ``"auto"`` (default) derives it
             from the memory available to the node (or its cgroup) and the file's size; ``1`` means one rank at a
             time. With ``weights_only=True`` (the default) every format is read by byte ranges and needs no turns.
         load_progress: Show a progress bar while loading, once per node, when the output is a terminal. The
             environment variable ``LIGHTNING_FSDP_PROGRESS=0`` turns it off too.
-        \**kwargs: Passed to :class:`lightning.fabric.strategies.FSDPStrategy`.
 
     """
 
+    # Upstream's parameters and annotations (forward references as upstream's strings), then this package's
+    # keyword-only ones: `inspect.signature` of both classes compares equal parameter by parameter.
     def __init__(
-        self, *args: Any, load_concurrency: int | Literal["auto"] = "auto", load_progress: bool = True, **kwargs: Any
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: Union[bool, "CPUOffload", None] = None,
+        mixed_precision: Optional["MixedPrecision"] = None,
+        auto_wrap_policy: Optional["_POLICY"] = None,
+        activation_checkpointing: type[Module] | list[type[Module]] | None = None,
+        activation_checkpointing_policy: Optional["_POLICY"] = None,
+        sharding_strategy: "_SHARDING_STRATEGY" = "FULL_SHARD",
+        state_dict_type: Literal["full", "sharded"] = "sharded",
+        device_mesh: Union[tuple[int, int], "DeviceMesh"] | None = None,
+        *,
+        load_concurrency: int | Literal["auto"] = "auto",
+        load_progress: bool = True,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
-        self.load_concurrency = validate_concurrency(load_concurrency)
-        self.load_progress = load_progress
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            cpu_offload=cpu_offload,
+            mixed_precision=mixed_precision,
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            sharding_strategy=sharding_strategy,
+            state_dict_type=state_dict_type,
+            device_mesh=device_mesh,
+            **kwargs,
+        )
+        init_loading_options(self, load_concurrency, load_progress)
 
     @override
     def setup_environment(self) -> None:
@@ -97,27 +137,16 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
     def setup_module(self, module: Module) -> Module:
         """Wraps the model into a :class:`~torch.distributed.fsdp.FullyShardedDataParallel` module.
 
-        Unlike upstream, the device is passed to FSDP as a :class:`torch.device`, which FSDP accepts for CPU too.
+        Upstream's method, with the placement of every parameter and buffer checked before and after wrapping. On
+        CPU, where upstream's ``device_id=self.root_device.index`` is ``None`` and FSDP refuses it, the model is
+        wrapped here with ``device_id=self.root_device``, as upstream does it otherwise.
 
         """
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if any(isinstance(submodule, FullyShardedDataParallel) for submodule in module.modules()):
-            # The user wrapped their submodules manually: the auto wrap policy must not wrap them again.
-            if _has_meta_device_parameters_or_buffers(module):
-                rank_zero_warn(
-                    "The model is already wrapped in `FSDP` but there are still parameters on the meta device."
-                )
-            if self._fsdp_kwargs.pop("auto_wrap_policy", None) is not None:
-                rank_zero_warn(
-                    "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored."
-                )
-        else:
+        if not any(isinstance(submodule, FullyShardedDataParallel) for submodule in module.modules()):
             _check_placement(module, self.root_device, where="before wrapping")
-            module = FullyShardedDataParallel(module=module, **self._fsdp_wrapper_kwargs())
-
-        _move_torchmetrics_to_device(module, self.root_device)
-        _setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
+        module = super().setup_module(module) if self.root_device.type != "cpu" else self._setup_module_on_cpu(module)
         _check_placement(module, self.root_device, where="after wrapping")
         return module
 
@@ -135,6 +164,9 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
+        """Upstream's context; on CPU, with the device passed to FSDP as in :meth:`setup_module`."""
+        if self.root_device.type != "cpu":
+            return super().module_sharded_context()
         from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import enable_wrap
 
@@ -150,12 +182,13 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
     ) -> None:
         """Save model, optimizer, and other state to a checkpoint on disk.
 
-        See :meth:`lightning.fabric.strategies.FSDPStrategy.save_checkpoint`. A full checkpoint
-        (``state_dict_type="full"``) is assembled on rank 0 with CPU offloading only where the model lives on an
-        accelerator: on a CPU model, FSDP's offload returns views of storage it frees right after, which crashes.
+        See :meth:`lightning.fabric.strategies.FSDPStrategy.save_checkpoint`, which this calls in every case but
+        one: a full checkpoint (``state_dict_type="full"``) of a strategy set up on CPU is assembled on rank 0
+        without CPU offloading, because on a CPU model FSDP's offload returns views of storage it frees right after,
+        which crashes.
 
         """
-        if self._state_dict_type != "full" or self.root_device.type != "cpu":
+        if self._state_dict_type != "full" or not self._set_up_on_cpu():
             return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         if storage_options is not None:
             raise TypeError(
@@ -163,9 +196,9 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 " `FSDPStrategy` does not use the `CheckpointIO`."
             )
         path = Path(self.broadcast(path))
-        if path.is_dir() and not _is_sharded_checkpoint(path):
+        if path.is_dir() and not _upstream._is_sharded_checkpoint(path):
             raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
-        module = _single_fsdp_module(state, verb="save")
+        module = _single_fsdp_module(state, saving=True)
         full_state = _full_state(module, state, filter or {}, offload_to_cpu=False)
         if self.global_rank == 0:
             if path.is_dir():
@@ -200,6 +233,10 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         partially loaded. (With a source read whole, each rank checks in its own turn: a failure that only a later
         rank hits leaves the earlier ranks loaded, and the error names the failing rank.)
 
+        The arguments are checked as upstream checks them, with upstream's exception types and messages. A path that
+        upstream refuses too (neither a file nor a directory of checkpoint shards) and that holds nothing this method
+        reads raises an error that is both a ``ValueError`` (upstream's) and a ``CheckpointLoadError``.
+
         Args:
             path: A checkpoint file or directory.
             state: The model (``fabric.load_raw``), or a dict with the model, optimizers and other state to restore
@@ -210,42 +247,62 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 ``False`` only for a file you trust: unpickling can run code.
 
         """
-        if not state:
-            raise ValueError(
-                f"Got `FSDPStrategy.load_checkpoint(..., state={state!r})`, but a state with at least a model to"
-                " load into is required. Pass it like so: `fabric.load(path, {'model': model, ...})`."
-            )
-        if isinstance(state, Optimizer):
-            raise NotImplementedError(
-                "Loading a single optimizer object from a checkpoint is not supported yet with the FSDP strategy."
-                " Load it together with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
-            )
-        if isinstance(state, Module):
-            request = LoadRequest(state, None, strict=strict, weights_only=weights_only is not False)
-        else:
-            module_key = _fsdp_module_key(state)
-            optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
-            metadata_keys = frozenset(state) - {module_key} - set(optimizers)
-            request = LoadRequest(
-                state[module_key], module_key, optimizers, metadata_keys, strict, weights_only is not False
-            )
+        state, module_key = _checked_state(state)
+        request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
+        # broadcast the path from rank 0 to ensure all the states are loaded from a common path
         path = Path(self.broadcast(path))
-        options = LoadOptions(self.load_concurrency, progress=None if self.load_progress else False)
-        result = load(path, request, self._rank_info(), options)
-        if result.skipped:
-            rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {result.skipped}.")
-        if isinstance(state, Module):
-            return {}
-        _move_state_into(source=result.metadata, destination=state, keys=request.metadata_keys)
-        return result.remainder
+        try:
+            return load_into_state(self, path, state, request)
+        except Exception as error:
+            _raise_if_upstream_refuses_path(path, error, raw=request.module_key is None)
+            raise
 
-    def _rank_info(self) -> RankInfo:
-        return RankInfo(
-            world_size=self.world_size,
-            node_rank=self.node_rank,
-            local_rank=self.local_rank,
-            local_world_size=self.num_processes,
-        )
+    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
+        """Options for the loads inside the ``with`` block: ``fabric.load`` and ``fabric.load_raw`` take none.
+
+        Example::
+
+            with fabric.strategy.load_options(rename={"model.": "", "lm_head.": None}):
+                fabric.load_raw("LlamaForCausalLM/model.safetensors.index.json", base_model)
+
+        Args:
+            rename: Maps the checkpoint's names to the model's, without a copy of the file: a mapping of prefixes
+                (``{"model.": ""}`` removes one, ``{"": "model."}`` adds one, ``{"lm_head.": None}`` leaves those
+                tensors out; the longest matching prefix wins, other names are kept) or a callable (checkpoint name
+                -> model name, or ``None`` to leave the tensor out). ``{}`` keeps every name as it is. By default
+                (``None``), a single prefix that makes every model tensor match is removed or added automatically,
+                and rank 0 says so. Checkpoint files only: a sharded checkpoint is refused with a rename.
+
+        Raises:
+            TypeError: If ``rename`` is neither a mapping of prefixes nor a callable.
+
+        """
+        return load_options(self, rename)
+
+    def _set_up_on_cpu(self) -> bool:
+        # Upstream reads `root_device` only once the devices are set; a strategy built without them is never on CPU.
+        return self.parallel_devices is not None and self.root_device.type == "cpu"
+
+    def _setup_module_on_cpu(self, module: Module) -> Module:
+        """Upstream's ``setup_module`` with ``device_id=self.root_device``, for a CPU device (its index is ``None``)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if any(isinstance(submodule, FullyShardedDataParallel) for submodule in module.modules()):
+            # The user wrapped their submodules manually: the auto wrap policy must not wrap them again.
+            if _upstream._has_meta_device_parameters_or_buffers(module):
+                rank_zero_warn(
+                    "The model is already wrapped in `FSDP` but there are still parameters on the meta device."
+                )
+            if self._fsdp_kwargs.pop("auto_wrap_policy", None) is not None:
+                rank_zero_warn(
+                    "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored."
+                )
+        else:
+            module = FullyShardedDataParallel(module=module, **self._fsdp_wrapper_kwargs())
+        # Through upstream's module, so that patching upstream's helpers (as its tests do) reaches this path too.
+        _upstream._move_torchmetrics_to_device(module, self.root_device)
+        _upstream._setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
+        return module
 
     def _fsdp_wrapper_kwargs(self) -> dict[str, Any]:
         return {
@@ -257,25 +314,92 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         }
 
 
+class _InvalidCheckpointPathError(CheckpointLoadError, ValueError):
+    """A path that upstream refuses with a ``ValueError`` and that this package cannot read either.
+
+    It is both, so that code written against upstream (``except ValueError``, ``pytest.raises(ValueError, match=...)``)
+    and code written against this package (``except CheckpointLoadError``) keep working.
+
+    """
+
+
+def _checked_state(
+    state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None,
+) -> tuple[Module | dict[str, Any], str | None]:
+    """Check ``state`` as upstream does, with its exception types and messages; return it and its module's key."""
+    if not state:
+        raise ValueError(
+            f"Got FSDPStrategy.load_checkpoint(..., state={state!r}) but a state with at least "
+            f" a model instance to reload is required. Pass it in like so:"
+            " FSDPStrategy.load_checkpoint(..., state={'model': model, ...})"
+            ". With Fabric: `fabric.load(path, {'model': model, ...})`, or `fabric.load_raw(path, model)` for a file"
+            " that holds only the model's weights."
+        )
+    if isinstance(state, Module):
+        return state, None
+    if isinstance(state, Optimizer):
+        raise NotImplementedError(
+            "Loading a single optimizer object from a checkpoint is not supported yet with the FSDP strategy."
+            " Load it together with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+        )
+    return state, _fsdp_module_key(state)
+
+
+def _raise_if_upstream_refuses_path(path: Path, error: Exception, raw: bool) -> None:
+    """Raise upstream's ``ValueError`` for a path it refuses, if this package cannot read that path either.
+
+    Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
+    directory with a distributed checkpoint's ``.metadata``. This package reads more (Hugging Face directories, a
+    sharded checkpoint for ``load_raw``), so it only answers as upstream does where the path holds nothing it reads
+    either: the format detection fails here too. The load already ran on every rank, so deciding here after the fact
+    keeps the ranks together.
+
+    """
+    if path.is_file() or (not raw and _upstream._is_sharded_checkpoint(path)):
+        return
+    try:
+        detect_checkpoint(path)
+    except CheckpointLoadError as detection_error:
+        reason = str(error) if isinstance(error, CheckpointLoadError) else str(detection_error)
+        failed_ranks = error.failed_ranks if isinstance(error, CheckpointLoadError) else ()
+    else:
+        return
+    if raw:
+        upstream_message = (
+            "Failed to load checkpoint directly into the model. The given path must be a single file containing the"
+            f" full state dict: {path}"
+        )
+    else:
+        upstream_message = (
+            f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
+            " directory with FSDP checkpoint shards, or a single file with a full checkpoint."
+        )
+    raise _InvalidCheckpointPathError(f"{upstream_message}\n{reason}", failed_ranks) from error
+
+
 def _fsdp_module_key(state: dict[str, Any]) -> str:
-    keys = [key for key, obj in state.items() if _has_fsdp_modules(obj)]
+    keys = [key for key, obj in state.items() if _upstream._has_fsdp_modules(obj)]
     if len(keys) != 1:
-        _single_fsdp_module(state, verb="load")  # raises the error that names the problem
+        _single_fsdp_module(state, saving=False)  # raises the error that names the problem
     return keys[0]
 
 
-def _single_fsdp_module(state: dict[str, Any], verb: str) -> Module:
-    modules = [obj for obj in state.values() if _has_fsdp_modules(obj)]
+def _single_fsdp_module(state: dict[str, Any], saving: bool) -> Module:
+    """The one FSDP model in ``state``; upstream's ``ValueError`` (same text) if there is none or more than one."""
+    verb, gerund = ("save", "saving") if saving else ("load", "loading")
+    modules = [obj for obj in state.values() if _upstream._has_fsdp_modules(obj)]
     if not modules:
         raise ValueError(
-            f"Could not find a FSDP model in the provided checkpoint state. Please provide the model as part of the"
-            f" state like so: `{verb}_checkpoint(..., state={{'model': model, ...}})`. Make sure you set up the model"
-            " (and optimizers if any) through the strategy first."
+            "Could not find a FSDP model in the provided checkpoint state. Please provide the model as"
+            f" part of the state like so: `{verb}_checkpoint(..., state={{'model': model, ...}})`. Make sure"
+            f" you set up the model (and optimizers if any) through the strategy before {gerund} the checkpoint."
         )
     if len(modules) > 1:
         raise ValueError(
-            f"Found multiple FSDP models in the given state. `FSDPStrategy.{verb}_checkpoint` handles one model per"
-            f" checkpoint: call it once per model, each with its own path."
+            "Found multiple FSDP models in the given state. "
+            f"{gerund.capitalize()} checkpoints with FSDP is"
+            f" currently limited to a single model per checkpoint. To {verb} multiple models, call the"
+            f" {verb} method for each model separately with a different path."
         )
     return modules[0]
 

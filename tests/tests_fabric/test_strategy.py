@@ -1,6 +1,7 @@
 """The strategy class itself: compatibility with upstream, and what changes only through this class."""
 
 import inspect
+from datetime import timedelta
 
 import lightning.fabric.strategies
 import pytest
@@ -26,13 +27,32 @@ def test_is_an_upstream_fsdp_strategy():
 
 
 @pytest.mark.package_only
+def test_signature_is_upstreams_plus_ours():
+    """Upstream's parameters in upstream's order, kinds, defaults and annotations, then ours, keyword-only.
+
+    Fails when Lightning changes its signature, so that this class follows it.
+    """
+    upstream = list(inspect.signature(UpstreamFSDPStrategy).parameters.values())
+    ours = list(inspect.signature(FSDPStrategy).parameters.values())
+    assert [p.name for p in upstream][-1] == "kwargs"
+    *upstream_named, upstream_kwargs = upstream
+    *ours_named, load_concurrency, load_progress, ours_kwargs = ours
+    for mine, theirs in zip(ours_named, upstream_named, strict=True):
+        assert (mine.name, mine.kind, mine.default, mine.annotation) == (
+            theirs.name,
+            theirs.kind,
+            theirs.default,
+            theirs.annotation,
+        )
+    assert ours_kwargs == upstream_kwargs
+    assert load_concurrency.kind is load_progress.kind is inspect.Parameter.KEYWORD_ONLY
+    assert (load_concurrency.name, load_concurrency.default) == ("load_concurrency", "auto")
+    assert (load_progress.name, load_progress.default) == ("load_progress", True)
+    assert inspect.signature(FSDPStrategy.__init__).return_annotation is None
+
+
 def test_accepts_every_upstream_argument():
-    """Every upstream parameter is passed through, by keyword and by position."""
-    upstream_parameters = inspect.signature(UpstreamFSDPStrategy.__init__).parameters
-    ours = inspect.signature(FSDPStrategy.__init__).parameters
-    assert inspect.Parameter.VAR_POSITIONAL in {p.kind for p in ours.values()}
-    assert inspect.Parameter.VAR_KEYWORD in {p.kind for p in ours.values()}
-    assert not set(upstream_parameters) & {"load_concurrency", "load_progress"}
+    """Every upstream parameter reaches upstream's `__init__`, by keyword and by position; FSDP's own kwargs too."""
     strategy = FSDPStrategy(
         cpu_offload=True,
         sharding_strategy="SHARD_GRAD_OP",
@@ -48,8 +68,17 @@ def test_accepts_every_upstream_argument():
     assert strategy._fsdp_kwargs["limit_all_gathers"] is True
     assert "load_concurrency" not in strategy._fsdp_kwargs
     assert strategy.load_concurrency == 2
-    positional = FSDPStrategy(None, None, None, None, "gloo")
+    timeout = timedelta(seconds=5)
+    devices = [torch.device("cpu")] * 2
+    positional = FSDPStrategy(None, devices, None, None, "gloo", timeout, True, None, {Block}, None, None, "NO_SHARD")
+    assert positional.parallel_devices == devices
     assert positional.process_group_backend == "gloo"
+    assert positional._timeout == timeout
+    assert positional.cpu_offload.offload_params
+    assert positional.sharding_strategy.name == "NO_SHARD"
+    assert "auto_wrap_policy" in positional._fsdp_kwargs
+    with pytest.raises(TypeError, match="positional"):
+        FSDPStrategy(*[None] * 14, 1)  # `load_concurrency` is keyword-only
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "all", True])

@@ -42,6 +42,9 @@ DCP_METADATA_FILENAME = ".metadata"
 _HF_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 #: Preferred when a directory holds indexes for both formats (safetensors never unpickles).
 _HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+#: The entries that hold the module state in a checkpoint: ``fabric.save(path, {"model": model})`` and a Lightning
+#: ``Trainer`` checkpoint (``.ckpt``). ``load_raw`` takes a checkpoint whose only module state is one of them.
+_MODULE_ENTRIES = ("model", "state_dict")
 
 
 class CheckpointFormat(str, Enum):
@@ -289,6 +292,10 @@ def _split_entries(
     content: Mapping[Any, Any], module_key: str | None, path: Path, make_source: Any, make_entries: Any
 ) -> OpenedCheckpoint:
     keys = [str(key) for key in content]
+    if module_key is None and content and not any(isinstance(value, torch.Tensor) for value in content.values()):
+        # `load_raw` of a checkpoint: its one module state, as from a sharded checkpoint; nothing else is read.
+        entry = _module_entry(content, path)
+        return OpenedCheckpoint(make_source(content[entry]), raw=False, top_level_keys=keys)
     module_entry = content.get(module_key) if module_key is not None else None
     if isinstance(module_entry, Mapping):
         extra_sources, entries = make_entries({key: value for key, value in content.items() if key != module_key})
@@ -296,17 +303,38 @@ def _split_entries(
         return OpenedCheckpoint(source, entries, raw=False, top_level_keys=keys, extra_sources=extra_sources)
     if content and not any(isinstance(value, torch.Tensor) for value in content.values()):
         shown = ", ".join(repr(key) for key in keys[:10])
-        if module_key is None:
-            raise CheckpointLoadError(
-                f"The file {str(path)!r} is not a raw module state dict but a checkpoint with the entries {shown}."
-                " Load it with `fabric.load(path, {'model': model, ...})`, naming the entry of the model."
-            )
         raise CheckpointLoadError(
             f"The checkpoint {str(path)!r} has no entry {module_key!r} for the model, and it is not a raw module state"
             f" dict either. Its entries are {shown}: pass the model under the key it was saved with, e.g."
             " `fabric.load(path, {'model': model})`."
         )
     return OpenedCheckpoint(make_source(content), top_level_keys=keys)
+
+
+def _module_entry(content: Mapping[Any, Any], path: Path) -> str:
+    """The one entry of a checkpoint that holds a module state (``model`` of Fabric, ``state_dict`` of Lightning)."""
+    states = [str(key) for key, value in content.items() if _looks_like_module_state(value)]
+    known = [key for key in _MODULE_ENTRIES if key in states]
+    shown = ", ".join(repr(str(key)) for key in list(content)[:10]) + (", ..." if len(content) > 10 else "")
+    if len(known) == 1 and len(states) == 1:
+        return known[0]
+    if not states:
+        raise CheckpointLoadError(
+            f"The file {str(path)!r} is not a raw module state dict but a checkpoint with the entries {shown}, and none"
+            " of them holds a module state (a dict of tensors). Load it with `fabric.load(path, {'model': model,"
+            " ...})`, naming the entry of the model."
+        )
+    choices = " or ".join(f"`fabric.load(path, {{{key!r}: model}})`" for key in states[:5])
+    raise CheckpointLoadError(
+        f"The file {str(path)!r} is a checkpoint with the entries {shown}, and {len(states)} of them hold a module"
+        f" state ({', '.join(map(repr, states[:5]))}), so `load_raw` cannot tell which one to load"
+        f"{'' if known else f' (it takes one entry named {_MODULE_ENTRIES[0]!r} or {_MODULE_ENTRIES[1]!r})'}."
+        f" Name the entry to load as the key of the model: {choices}."
+    )
+
+
+def _looks_like_module_state(value: Any) -> bool:
+    return isinstance(value, Mapping) and any(isinstance(item, torch.Tensor) for item in value.values())
 
 
 def _read_structure(

@@ -7,7 +7,6 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the body of `
 ``src/lightning/fabric/utilities/load.py``.
 """
 
-import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
+from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.optimizer import local_optimizer_state
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
@@ -29,7 +29,7 @@ from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_c
 from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
-from lightning_fsdp.loading.validation import LoadPlan, TargetSpec, plan_load
+from lightning_fsdp.loading.validation import NamePlan, Rename, TargetSpec, check_whole_module, plan_load
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class LoadRequest:
     """Other keys the caller asked for (``step``, ...), restored from a Fabric checkpoint."""
     strict: bool = True
     weights_only: bool = True
+    rename: Rename | None = None
+    """Maps the checkpoint's names to the model's (see :func:`~.validation.check_rename`); ``None`` aligns a
+    prefix automatically where exactly one makes every model tensor match, ``{}`` keeps the names as they are."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class LoadResult:
 
 @dataclass
 class _Prepared:
-    plan: LoadPlan
+    plan: NamePlan
     optimizer_states: dict[str, dict]
     fallback_optimizers: set[str]
 
@@ -173,6 +176,11 @@ def _load_file(
 
 
 def _load_sharded(path: Path, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
+    if request.rename is not None:
+        raise CheckpointLoadError(
+            f"{str(path)!r} is a sharded checkpoint, whose tensors are read by their names in the model: `rename`"
+            " applies to checkpoint files only. Load it without `rename`."
+        )
     key = request.module_key or "model"
     optimizer_keys = list(request.optimizers)
     metadata, stored = check_sharded_request(
@@ -187,8 +195,9 @@ def _load_sharded(path: Path, request: LoadRequest, stagger: StaggeredLoad) -> L
 
 def _module_targets(module: Module) -> ModuleTargets | None:
     """The shard-local targets of ``module``, or ``None`` (with a one-time warning) where FSDP's own path must serve."""
+    collect = collect_dtensor_targets if has_dtensor_params(module) else collect_targets
     try:
-        return collect_targets(module)
+        return collect(module)
     except ShardLocalUnsupported as reason:
         _warn_fallback(str(reason))
         return None
@@ -201,8 +210,9 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
 
     """
     _check_requested_keys(request, opened)
+    check_whole_module(request.module)
     targets = collected.specs() if collected is not None else _unsharded_specs(request.module)
-    plan = plan_load(targets, opened.source.specs(), strict=request.strict)
+    plan = plan_load(targets, opened.source.specs(), strict=request.strict, rename=request.rename)
     optimizer_states: dict[str, dict] = {}
     fallback: set[str] = set()
     for key, optimizer in request.optimizers.items():
@@ -279,6 +289,9 @@ def _load_with_fsdp_state_dict(module: Module, state_dict: dict[str, Any], world
 
 
 def _load_optimizer_with_fsdp(module: Module, optimizer: Optimizer, state: Mapping, world_size: int) -> None:
+    if has_dtensor_params(module):
+        _load_optimizer_with_dtensors(module, optimizer, state)
+        return
     from lightning.fabric.strategies.fsdp import _get_full_state_dict_context
     from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -291,13 +304,23 @@ def _load_optimizer_with_fsdp(module: Module, optimizer: Optimizer, state: Mappi
         optimizer.load_state_dict(FSDP.optim_state_dict_to_load(module, optimizer, rekeyed))
 
 
+def _load_optimizer_with_dtensors(module: Module, optimizer: Optimizer, state: Mapping) -> None:
+    """Upstream's path for FSDP2 and tensor parallelism: each full state tensor is broadcast from rank 0."""
+    from lightning.fabric.strategies.model_parallel import _rekey_optimizer_state_if_needed
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    rekeyed = _rekey_optimizer_state_if_needed(dict(state), module)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=rekeyed, options=options)
+
+
 def _warn_fallback(reason: str) -> None:
     if reason in _warned_fallbacks:
         return
     _warned_fallbacks.add(reason)
     rank_zero_warn(
         f"lightning-fsdp cannot load this checkpoint shard-locally ({reason}); falling back to FSDP's full state-dict"
-        " loading, which all-gathers every unit and needs more memory."
+        " loading, which needs more memory (FSDP1 all-gathers every unit; FSDP2 broadcasts every tensor whole)."
     )
 
 
@@ -305,8 +328,5 @@ def _local_totals(collected: ModuleTargets | None) -> tuple[int, int]:
     """The bytes and tensors this rank writes at most (its slices), for the progress bar."""
     if collected is None:
         return 0, 0
-    total = 0
-    for target in collected.targets:
-        numel = target.slot.numel if target.slot is not None else math.prod(target.shape)
-        total += numel * target.dtype.itemsize
+    total = sum(target.local_numel * target.dtype.itemsize for target in collected.targets)
     return total, len(collected.targets)

@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.shard_local import ModuleTargets, ShardLocalUnsupported, Target
+from lightning_fsdp.loading.shard_local import ModuleTargets, OptimizerParam, ShardLocalUnsupported, Target
 from lightning_fsdp.loading.sources import TensorRef, materialize
 
 
@@ -43,20 +43,16 @@ def local_optimizer_state(optimizer: Optimizer, collected: ModuleTargets, full_s
             f" {len(optimizer.param_groups)}. Create the optimizer with the same groups as the one that was saved."
         )
 
-    by_param = collected.by_param()
     local_state: dict[int, dict[str, Any]] = {}
     local_groups = []
     index = 0
     for saved_group, group in zip(groups, optimizer.param_groups, strict=True):
         indices = []
         for param in group["params"]:
-            if id(param) in collected.flat_params:
-                local_shard, unit_targets = collected.flat_params[id(param)]
-                param_state = _flat_param_state(state, unit_targets, local_shard)
-            elif id(param) in by_param:
-                param_state = _param_state(state, by_param[id(param)])
-            else:
+            optimizer_param = collected.optimizer_params.get(id(param))
+            if optimizer_param is None:
                 raise ShardLocalUnsupported("the optimizer holds a parameter that is not part of the model")
+            param_state = _param_state(state, optimizer_param)
             if param_state:
                 local_state[index] = param_state
             indices.append(index)
@@ -65,50 +61,44 @@ def local_optimizer_state(optimizer: Optimizer, collected: ModuleTargets, full_s
     return {"state": local_state, "param_groups": local_groups}
 
 
-def _param_state(state: Mapping[str, Any], target: Target) -> dict[str, Any]:
-    saved = _saved_state(state, target)
-    if saved is None:
-        return {}
-    return {key: _local_value(key, value, target) for key, value in saved.items()}
-
-
-def _flat_param_state(state: Mapping[str, Any], targets: list[Target], local_shard: Tensor) -> dict[str, Any]:
-    saved_states = [(target, _saved_state(state, target)) for target in targets]
-    present = [(target, saved) for target, saved in saved_states if saved is not None]
+def _param_state(state: Mapping[str, Any], param: OptimizerParam) -> dict[str, Any]:
+    """The state of one optimizer parameter: scalars as saved, per-element tensors assembled from its runs."""
+    saved_states = [(target, runs, _saved_state(state, target)) for target, runs in param.parts]
+    present = [(target, runs, saved) for target, runs, saved in saved_states if saved is not None]
     if not present:
         return {}
     if len(present) != len(saved_states):
-        absent = [target.names[0] for target, saved in saved_states if saved is None]
+        absent = [target.names[0] for target, _, saved in saved_states if saved is None]
         raise CheckpointLoadError(
             f"The checkpoint's optimizer state has no entry for {absent[0]!r} but has one for"
             f" {present[0][0].names[0]!r} of the same FSDP unit; the optimizer state is incomplete."
         )
-    keys = set(present[0][1])
-    for target, saved in present:
+    first_target, _, first_saved = present[0]
+    keys = set(first_saved)
+    for target, _, saved in present:
         if set(saved) != keys:
             raise CheckpointLoadError(
                 f"The checkpoint's optimizer state of {target.names[0]!r} has the entries {sorted(saved)}, that of"
-                f" {present[0][0].names[0]!r} has {sorted(keys)}; the optimizer state is inconsistent."
+                f" {first_target.names[0]!r} has {sorted(keys)}; the optimizer state is inconsistent."
             )
         for key, value in saved.items():
             _check_state_shape(key, value, target)
     local: dict[str, Any] = {}
-    for key, first in present[0][1].items():
-        if not _is_per_element(first, present[0][0]):
+    for key, first in first_saved.items():
+        if not _is_per_element(first, first_target):
             local[key] = materialize(first)
             continue
-        flat = torch.zeros(local_shard.numel(), dtype=first.dtype)
-        for target, saved in present:
+        flat = torch.zeros(param.numel, dtype=first.dtype)
+        for target, runs, saved in present:
             value = saved[key]
             if not _is_per_element(value, target):
                 raise CheckpointLoadError(
-                    f"The checkpoint's optimizer state {key!r} is per element for {present[0][0].names[0]!r} but not"
+                    f"The checkpoint's optimizer state {key!r} is per element for {first_target.names[0]!r} but not"
                     f" for {target.names[0]!r} of the same FSDP unit; the optimizer state is inconsistent."
                 )
-            slot = target.slot
-            assert slot is not None
-            flat[slot.offset : slot.offset + slot.numel] = _flat_range(value, slot.start, slot.start + slot.numel)
-        local[key] = flat
+            for run in runs:
+                flat[run.offset : run.offset + run.count] = _flat_range(value, run.start, run.start + run.count)
+        local[key] = param.to_state(flat)
     return local
 
 
@@ -122,19 +112,6 @@ def _saved_state(state: Mapping[str, Any], target: Target) -> Mapping[str, Any] 
                 )
             return saved
     return None
-
-
-def _local_value(key: str, value: Any, target: Target) -> Any:
-    _check_state_shape(key, value, target)
-    if target.slot is None or not _is_per_element(value, target):
-        return materialize(value)
-    slot = target.slot
-    local = _flat_range(value, slot.start, slot.start + slot.numel).clone()
-    # A sharded original parameter is a 1-D view of its slice; without sharding (NO_SHARD, or a single rank, where
-    # FSDP does not shard) it keeps its shape. The state takes the shape of the parameter it belongs to.
-    if target.param is not None and target.param.numel() == local.numel():
-        local = local.view(target.param.shape)
-    return local
 
 
 def _check_state_shape(key: str, value: Any, target: Target) -> None:

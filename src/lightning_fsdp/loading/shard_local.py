@@ -1,15 +1,21 @@
-"""Copy each rank's own slice of every parameter from a checkpoint into FSDP's flat parameters.
+"""Copy each rank's own slices of every tensor from a checkpoint into a sharded model: the shard-layout seam.
 
-FSDP (``FullyShardedDataParallel``, FSDP1) flattens the parameters of each wrapped unit into one ``FlatParameter``
-and keeps a contiguous shard of it per rank. Its ``_shard_param_infos`` say, for every original parameter, whether
-this rank holds part of it, where in the local shard, and which range of the flattened parameter. Copying exactly
-that range from the checkpoint needs no all-gather and no unsharded unit, and with a source read by byte ranges
-source a rank reads only the bytes of its own shard.
+A layout answers one question for a module: "which flat ranges of which checkpoint tensors go where on this rank".
+The answer is a :class:`ModuleTargets`: for every tensor of the model a :class:`Target` (its checkpoint names, full
+shape, dtype, and the runs (:class:`Run`) that copy ranges of the flattened checkpoint tensor into a flat local
+view), and for every parameter an optimizer sees an :class:`OptimizerParam` (how to build its state from the same
+runs). The copy (:func:`copy_into_module`) and the optimizer slicing (:mod:`.optimizer`) know only this model.
+
+This module holds the model and the FSDP1 layout: FSDP (``FullyShardedDataParallel``) flattens the parameters of each
+wrapped unit into one ``FlatParameter`` and keeps a contiguous shard of it per rank; its ``_shard_param_infos`` say,
+for every original parameter, whether this rank holds part of it, where in the local shard, and which range of the
+flattened parameter. The FSDP2 (``fully_shard``, ``DTensor``) layout is in :mod:`.fsdp2_layout`.
 
 Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level helpers).
 """
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,44 +24,61 @@ from torch.nn import Module
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.sources import TensorSource
-from lightning_fsdp.loading.validation import LoadPlan, TargetSpec
+from lightning_fsdp.loading.validation import NamePlan, TargetSpec
 
 _FLAT_PARAM_ATTRIBUTES = ("_fqns", "_shapes", "_shard_param_infos", "_shared_param_infos")
 
 
 class ShardLocalUnsupported(Exception):
-    """The model uses an FSDP configuration that the shard-local path does not know; the message says which."""
+    """The model uses a sharding configuration that the shard-local path does not know; the message says which."""
 
 
 @dataclass(frozen=True)
-class FlatSlot:
-    """Where this rank's part of one original parameter lives in its unit's local flat shard."""
+class Run:
+    """``count`` elements of the flattened checkpoint tensor from ``start`` go to ``offset`` of a flat destination."""
 
-    local_shard: Tensor
-    """The rank's shard of the flat parameter (1-D, possibly padded at the end)."""
-    offset: int
-    """Where the part starts in ``local_shard``."""
-    numel: int
-    """How many elements of the parameter this rank holds (0 when it holds none)."""
     start: int
-    """Index of the first held element in the flattened original parameter."""
+    count: int
+    offset: int
 
 
 @dataclass
 class Target:
-    """One tensor of the model to fill: a slot of a flat parameter, or a whole tensor (buffer, unmanaged param)."""
+    """One tensor of the model to fill: runs into a flat view of this rank's part, or a whole tensor (a buffer)."""
 
     names: list[str]
+    """The checkpoint names: the first is the primary, the rest are tied aliases."""
     shape: tuple[int, ...]
+    """The full (unsharded) shape."""
     dtype: torch.dtype
-    slot: FlatSlot | None = None
+    local: Tensor | None = None
+    """A 1-D view of the memory that ``runs`` write into (a flat parameter's shard, a ``DTensor``'s local tensor)."""
+    runs: list[Run] = field(default_factory=list)
     tensor: Tensor | None = None
-    param: Tensor | None = None
-    """The parameter object an optimizer sees for this tensor (with ``use_orig_params=True``, or unmanaged)."""
+    """A tensor that is copied whole instead (buffers, parameters that are not sharded)."""
 
     @property
     def spec(self) -> TargetSpec:
         return TargetSpec(tuple(self.names), self.shape, self.dtype)
+
+    @property
+    def local_numel(self) -> int:
+        """How many elements of this tensor the rank writes."""
+        if self.tensor is not None:
+            return math.prod(self.shape)
+        return sum(run.count for run in self.runs)
+
+
+@dataclass
+class OptimizerParam:
+    """A parameter that an optimizer holds, and how to build its per-element state from a full optimizer state."""
+
+    numel: int
+    """Elements of the flat buffer that the state is assembled in (the parameter's local elements)."""
+    parts: list[tuple[Target, list[Run]]]
+    """The targets the parameter holds, each with runs from its checkpoint tensor into the flat buffer."""
+    to_state: Callable[[Tensor], Tensor]
+    """Turns the filled flat buffer into the state tensor (a view of the parameter's shape, or a ``DTensor``)."""
 
 
 @dataclass
@@ -63,70 +86,105 @@ class ModuleTargets:
     """Every tensor of a (sharded) module that a checkpoint can fill, and how the optimizer sees them."""
 
     targets: list[Target] = field(default_factory=list)
-    flat_params: dict[int, tuple[Tensor, list[Target]]] = field(default_factory=dict)
-    """``id(flat_param)`` -> (its local shard, the targets it holds), for optimizers over flat parameters."""
+    optimizer_params: dict[int, OptimizerParam] = field(default_factory=dict)
+    """``id(parameter)`` -> how to build its optimizer state, for every parameter an optimizer may hold."""
 
     def specs(self) -> list[TargetSpec]:
         return [target.spec for target in self.targets]
 
-    def by_param(self) -> dict[int, Target]:
-        return {id(target.param): target for target in self.targets if target.param is not None}
+    def check_materialized(self) -> None:
+        """Raise if a tensor is still on the meta device (the module was not set up)."""
+        on_meta = [
+            t.names[0]
+            for t in self.targets
+            if (t.tensor is not None and t.tensor.is_meta) or (t.local is not None and t.local.is_meta)
+        ]
+        if on_meta:
+            raise CheckpointLoadError(
+                f"{len(on_meta)} tensor(s) of the model are on the meta device (e.g. {on_meta[0]!r}), so nothing can"
+                " be loaded into them. Call `fabric.setup_module(model)` (or `fabric.setup(model)`) before loading."
+            )
+
+
+def whole_target(name: str, tensor: Tensor, param: Tensor | None, collected: ModuleTargets) -> Target:
+    """A tensor that every rank holds whole; a parameter among them gets its optimizer state whole too."""
+    target = Target([name], tuple(tensor.shape), tensor.dtype, tensor=tensor)
+    if param is not None:
+        numel = param.numel()
+        shape = param.shape
+        collected.optimizer_params[id(param)] = OptimizerParam(
+            numel, [(target, [Run(0, numel, 0)])], lambda flat: flat.view(shape)
+        )
+    return target
+
+
+class TargetCollector:
+    """Adds targets once per tensor: a tensor met again under another name (tied weights) becomes an alias."""
+
+    def __init__(self) -> None:
+        self.collected = ModuleTargets()
+        self.by_name: dict[str, Target] = {}
+        self._by_tensor: dict[int, Target] = {}
+
+    def add(self, target: Target, key: Tensor | None = None) -> None:
+        if key is not None and self.alias_of(key, *target.names):
+            return
+        if key is not None:
+            self._by_tensor[id(key)] = target
+        self.collected.targets.append(target)
+        for name in target.names:
+            self.by_name[name] = target
+
+    def alias(self, target: Target, names: list[str]) -> None:
+        target.names.extend(names)
+        for name in names:
+            self.by_name[name] = target
+
+    def alias_of(self, key: Tensor, *names: str) -> bool:
+        """Add ``names`` to the target of ``key`` if it was added before (a tied tensor); say whether it was."""
+        target = self._by_tensor.get(id(key))
+        if target is not None:
+            self.alias(target, list(names))
+        return target is not None
 
 
 def collect_targets(module: Module) -> ModuleTargets:
-    """Find every tensor of ``module`` that a checkpoint fills, with the slice of it this rank holds.
+    """The FSDP1 layout: every tensor of ``module`` that a checkpoint fills, with the slice of it this rank holds.
 
     Raises:
         ShardLocalUnsupported: If a unit is unsharded right now or FSDP's flat parameters lack the metadata this
-            path relies on (another torch release, FSDP2): the caller falls back to FSDP's own state-dict loading.
+            path relies on (another torch release): the caller falls back to FSDP's own state-dict loading.
         CheckpointLoadError: If a tensor is still on the meta device (the module was not set up).
 
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    collected = ModuleTargets()
-    by_name: dict[str, Target] = {}
-    seen_tensors: dict[int, Target] = {}
-
-    def add(target: Target, key: Tensor | None = None) -> None:
-        if key is not None and id(key) in seen_tensors:  # a tied tensor outside FSDP's flat parameters
-            seen_tensors[id(key)].names.extend(target.names)
-            return
-        if key is not None:
-            seen_tensors[id(key)] = target
-        collected.targets.append(target)
-        for name in target.names:
-            by_name[name] = target
-
+    collector = TargetCollector()
     for module_name, submodule in module.named_modules():
-        prefix = _clean_name(module_name)  # without FSDP's and activation checkpointing's wrapper names
+        prefix = clean_name(module_name)  # without FSDP's and activation checkpointing's wrapper names
         if isinstance(submodule, FullyShardedDataParallel) and submodule._handle is not None:
-            for target in _flat_param_targets(submodule, prefix, collected, by_name):
-                add(target)
+            _add_flat_param_targets(submodule, prefix, collector)
         for name, param in submodule._parameters.items():
             if param is None or getattr(param, "_fsdp_flattened", False):
                 continue  # FSDP manages it through a flat parameter, handled above
-            full_name = _clean_name(_join(module_name, name))
-            add(Target([full_name], tuple(param.shape), param.dtype, tensor=param, param=param), key=param)
-        for name, buffer in submodule._buffers.items():
-            if buffer is None or name in submodule._non_persistent_buffers_set:
-                continue
-            full_name = _clean_name(_join(module_name, name))
-            add(Target([full_name], tuple(buffer.shape), buffer.dtype, tensor=buffer), key=buffer)
-
-    on_meta = [t.names[0] for t in collected.targets if t.tensor is not None and t.tensor.is_meta]
-    on_meta += [t.names[0] for t in collected.targets if t.slot is not None and t.slot.local_shard.is_meta]
-    if on_meta:
-        raise CheckpointLoadError(
-            f"{len(on_meta)} tensor(s) of the model are on the meta device (e.g. {on_meta[0]!r}), so nothing can be"
-            " loaded into them. Call `fabric.setup_module(model)` (or `fabric.setup(model)`) before loading."
-        )
-    return collected
+            full_name = clean_name(join(module_name, name))
+            if not collector.alias_of(param, full_name):
+                collector.add(whole_target(full_name, param, param, collector.collected), key=param)
+        add_buffers(collector, module_name, submodule)
+    collector.collected.check_materialized()
+    return collector.collected
 
 
-def _flat_param_targets(
-    fsdp_module: Module, prefix: str, collected: ModuleTargets, by_name: dict[str, Target]
-) -> Iterator[Target]:
+def add_buffers(collector: TargetCollector, module_name: str, submodule: Module) -> None:
+    """The persistent buffers of ``submodule`` (not its children), copied whole."""
+    for name, buffer in submodule._buffers.items():
+        if buffer is None or name in submodule._non_persistent_buffers_set:
+            continue
+        full_name = clean_name(join(module_name, name))
+        collector.add(Target([full_name], tuple(buffer.shape), buffer.dtype, tensor=buffer), key=buffer)
+
+
+def _add_flat_param_targets(fsdp_module: Module, prefix: str, collector: TargetCollector) -> None:
     handle = fsdp_module._handle
     flat_param = handle.flat_param
     missing = [attr for attr in _FLAT_PARAM_ATTRIBUTES if not hasattr(flat_param, attr)]
@@ -145,30 +203,48 @@ def _flat_param_targets(
             " forward without backward, or inside forward and backward)"
         )
     orig_params = getattr(flat_param, "_params", None)  # set with `use_orig_params=True`
-    unit_targets: list[Target] = []
+    unit_parts: list[tuple[Target, list[Run]]] = []
     for index, (fqn, shape, info) in enumerate(
         zip(flat_param._fqns, flat_param._shapes, flat_param._shard_param_infos, strict=True)
     ):
-        if info.in_shard:
-            slot = FlatSlot(local_shard, info.offset_in_shard, info.numel_in_shard, info.intra_param_start_idx)
-        else:
-            slot = FlatSlot(local_shard, 0, 0, 0)
-        param = orig_params[index] if orig_params is not None else None
-        target = Target([_join(prefix, fqn)], tuple(shape), flat_param.dtype, slot=slot, param=param)
-        unit_targets.append(target)
-        yield target
+        runs = [Run(info.intra_param_start_idx, info.numel_in_shard, info.offset_in_shard)] if info.in_shard else []
+        target = Target([join(prefix, fqn)], tuple(shape), flat_param.dtype, local=local_shard, runs=runs)
+        collector.add(target)
+        unit_parts.append((target, runs))
+        if orig_params is not None:
+            collector.collected.optimizer_params[id(orig_params[index])] = _orig_param(orig_params[index], target)
     for shared in flat_param._shared_param_infos:
-        primary = _join(prefix, _join(shared.prim_module_name, shared.prim_param_name))
-        by_name_target = next((t for t in unit_targets if t.names[0] == primary), None) or by_name.get(primary)
-        if by_name_target is None:
+        primary = join(prefix, join(shared.prim_module_name, shared.prim_param_name))
+        in_unit = (target for target, _ in unit_parts if target.names[0] == primary)
+        primary_target = next(in_unit, None) or collector.by_name.get(primary)
+        if primary_target is None:
             raise ShardLocalUnsupported(f"the tied parameter {primary!r} was not found in its FSDP unit")
-        by_name_target.names.append(_join(prefix, _join(shared.module_name, shared.param_name)))
-    collected.flat_params[id(flat_param)] = (local_shard, unit_targets)
+        collector.alias(primary_target, [join(prefix, join(shared.module_name, shared.param_name))])
+    # An optimizer over flat parameters (`use_orig_params=False`) keeps one flat state per unit, shaped like the shard.
+    collector.collected.optimizer_params[id(flat_param)] = OptimizerParam(local_shard.numel(), unit_parts, _same)
+
+
+def _orig_param(param: Tensor, target: Target) -> OptimizerParam:
+    """An original parameter (``use_orig_params=True``): a 1-D view of its slice, or its full shape when unsharded."""
+    numel = target.local_numel
+    runs = [Run(run.start, run.count, 0) for run in target.runs]
+    shape = param.shape
+
+    def to_state(flat: Tensor) -> Tensor:
+        # A sharded original parameter is a 1-D view of its slice; without sharding (NO_SHARD, or a single rank,
+        # where FSDP does not shard) it keeps its shape. The state takes the shape of the parameter it belongs to.
+        return flat.view(shape) if flat.numel() == math.prod(shape) else flat
+
+    return OptimizerParam(numel, [(target, runs)], to_state)
+
+
+def _same(flat: Tensor) -> Tensor:
+    return flat
 
 
 def copy_into_module(
     collected: ModuleTargets,
-    plan: LoadPlan,
+    plan: NamePlan,
     source: TensorSource,
     on_tensor: Callable[[int], None] | None = None,
 ) -> None:
@@ -182,27 +258,27 @@ def copy_into_module(
             source_name = plan.sources.get(target.names[0])
             if source_name is None:
                 continue
-            if target.slot is not None:
-                slot = target.slot
-                if slot.numel:
-                    values = source.read_flat(source_name, slot.start, slot.start + slot.numel)
-                    slot.local_shard[slot.offset : slot.offset + slot.numel].copy_(values)
-                nbytes = slot.numel * target.dtype.itemsize
-            else:
-                assert target.tensor is not None
+            if target.tensor is not None:
                 target.tensor.copy_(source.read(source_name))
-                nbytes = target.tensor.numel() * target.tensor.element_size()
+            else:
+                assert target.local is not None
+                for run in target.runs:
+                    if run.count:
+                        values = source.read_flat(source_name, run.start, run.start + run.count)
+                        target.local[run.offset : run.offset + run.count].copy_(values)
             if on_tensor is not None:
-                on_tensor(nbytes)
+                on_tensor(target.local_numel * target.dtype.itemsize)
 
 
-def _clean_name(name: str) -> str:
+def clean_name(name: str) -> str:
+    """``name`` without the names that FSDP's and activation checkpointing's wrappers insert."""
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
     return clean_tensor_name(name)
 
 
-def _join(prefix: str, name: str) -> str:
+def join(prefix: str, name: str) -> str:
+    """A dotted name: ``name`` inside ``prefix`` (either may be empty)."""
     if not prefix:
         return name
     return f"{prefix}.{name}" if name else prefix

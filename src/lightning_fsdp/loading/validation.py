@@ -1,19 +1,38 @@
 """Compare a checkpoint's names, shapes and dtypes with a model's before anything is written into the model.
 
+Names may differ by a prefix that a wrapper added (``module.`` of DDP, ``_orig_mod.`` of ``torch.compile``, the
+attribute of a ``LightningModule``) or by the model class (a ``LlamaForCausalLM`` checkpoint, ``model.*``, for a bare
+``LlamaModel``). A ``rename`` maps the checkpoint's names to the model's; without one, a single prefix that makes
+every model tensor match is removed or added automatically, and the errors name the ``rename`` that fits the file.
+
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.sources import TensorSpec
 
+Rename = Callable[[str], str | None] | Mapping[str, str | None]
+"""Checkpoint name -> model name (``None`` leaves the tensor out), or ``{checkpoint prefix: model prefix or None}``."""
+
 #: Prefixes that wrappers add to every name: DDP and DataParallel, ``torch.compile``, Fabric and Lightning modules.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "_forward_module.", "_fsdp_wrapped_module.")
+#: How many of the most common first name components of each side are tried as prefixes.
+_DATA_PREFIXES = 16
 _SHOWN = 5
+#: How to pass a rename through Fabric, whose ``load`` and ``load_raw`` take no loader options.
+_RENAME_USAGE = (
+    "(`rename` is an option of the loader: with Fabric, call `fabric.load` or `fabric.load_raw` inside"
+    " `with fabric.strategy.load_options(rename=...):`)"
+)
 
 
 @dataclass(frozen=True)
@@ -26,14 +45,17 @@ class TargetSpec:
 
 
 @dataclass
-class LoadPlan:
+class NamePlan:
     """Which checkpoint tensor feeds which model tensor, and what was left out."""
 
     sources: dict[str, str] = field(default_factory=dict)
-    """Primary target name -> name of the checkpoint tensor to read it from."""
+    """Primary target name -> name of the checkpoint tensor to read it from (its name in the file, before renaming)."""
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    """Checkpoint tensors that feed no model tensor, by their names in the file."""
     casts: dict[str, tuple[torch.dtype, torch.dtype]] = field(default_factory=dict)
+    aligned: dict[str, str] = field(default_factory=dict)
+    """The prefix rename found automatically (``{"model.": ""}`` removes, ``{"": "model."}`` adds); empty if none."""
 
     def skipped_summary(self) -> str:
         parts = []
@@ -44,36 +66,55 @@ class LoadPlan:
         return "; ".join(parts)
 
 
-def plan_load(targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], strict: bool) -> LoadPlan:
-    """Match the checkpoint's tensors to the model's, or raise one error that lists every problem.
+def check_rename(rename: Any) -> None:
+    """Raise a :class:`TypeError` unless ``rename`` is ``None``, a callable, or a mapping of prefixes.
 
-    Tied weights count as present when any of their names is in the checkpoint. Floating-point tensors of another
-    dtype are cast (a bf16 file into an fp32 model); other dtype changes and shape mismatches are errors even with
-    ``strict=False``, as in :meth:`torch.nn.Module.load_state_dict`.
+    A mapping maps a prefix of the checkpoint's names to the prefix that replaces it in the model's names, or to
+    ``None`` to leave those tensors out; the longest matching prefix wins, and ``""`` matches every name (so
+    ``{"": "model."}`` adds a prefix). Names that no prefix matches are kept. A callable takes a checkpoint name and
+    returns the model's name for it, or ``None`` to leave it out. ``{}`` keeps every name and turns the automatic
+    alignment off.
 
     """
-    plan = LoadPlan()
-    expected_names: set[str] = set()
-    shape_mismatches: list[str] = []
-    dtype_mismatches: list[str] = []
-    for target in targets:
-        expected_names.update(target.names)
-        present = [name for name in target.names if name in specs]
-        if not present:
-            plan.missing.append(target.names[0])
-            continue
-        source_name = present[0]
-        spec = specs[source_name]
-        if spec.shape != target.shape:
-            shape_mismatches.append(f"{source_name!r}: checkpoint {_shape(spec.shape)}, model {_shape(target.shape)}")
-            continue
-        if spec.dtype != target.dtype:
-            if not (spec.dtype.is_floating_point and target.dtype.is_floating_point):
-                dtype_mismatches.append(f"{source_name!r}: checkpoint {spec.dtype}, model {target.dtype}")
-                continue
-            plan.casts[target.names[0]] = (spec.dtype, target.dtype)
-        plan.sources[target.names[0]] = source_name
-    plan.unexpected = [name for name in specs if name not in expected_names]
+    if rename is None or callable(rename):
+        return
+    if isinstance(rename, Mapping):
+        bad = [
+            f"{k!r}: {v!r}" for k, v in rename.items() if not isinstance(k, str) or not isinstance(v, (str, type(None)))
+        ]
+        if not bad:
+            return
+        raise TypeError(
+            f"`rename` maps prefixes of the checkpoint's names to prefixes of the model's (strings, or `None` to leave"
+            f" the tensors out), but it holds {', '.join(bad[:_SHOWN])}. For example, `rename={{'model.': ''}}`."
+        )
+    raise TypeError(
+        f"`rename` must be a callable (checkpoint name -> model name or `None`) or a mapping of prefixes such as"
+        f" `{{'model.': ''}}`, got {type(rename).__name__}."
+    )
+
+
+def plan_load(
+    targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], strict: bool, rename: Rename | None = None
+) -> NamePlan:
+    """Match the checkpoint's tensors to the model's, or raise one error that lists every problem.
+
+    The checkpoint's names are renamed first (see :func:`check_rename`); the plan still reads each tensor by its
+    name in the file. Without a ``rename``, when the names differ and exactly one prefix, removed from or added to
+    every checkpoint name, makes every model tensor match, it is applied and said in one info line. Tied weights
+    count as present when any of their names is in the checkpoint. Floating-point tensors of another dtype are cast
+    (a bf16 file into an fp32 model); other dtype changes and shape mismatches are errors even with ``strict=False``,
+    as in :meth:`torch.nn.Module.load_state_dict`.
+
+    """
+    check_rename(rename)
+    plan, shape_mismatches, dtype_mismatches = _match(targets, specs, _renamed(specs, rename or {}))
+    ambiguous: list[dict[str, str]] = []
+    if rename is None and plan.missing:
+        aligned, ambiguous = _alignment(targets, list(specs))
+        if aligned:
+            plan, shape_mismatches, dtype_mismatches = _match(targets, specs, _renamed(specs, aligned))
+            plan.aligned = aligned
 
     problems = []
     if strict and plan.missing:
@@ -91,34 +132,267 @@ def plan_load(targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], st
     if not problems and not plan.sources and targets:
         problems.append(f"no checkpoint tensor matches a model tensor (checkpoint keys: {_names(list(specs))})")
     if problems:
-        hint = _prefix_hint(expected_names, set(specs))
-        fixes = [hint] if hint else []
-        if strict and not shape_mismatches and not dtype_mismatches:
+        fixes = _advice(targets, list(specs), rename, plan, ambiguous)
+        if strict and plan.sources and not shape_mismatches and not dtype_mismatches:
             fixes.append("To load only the tensors that match, pass `strict=False`.")
         raise CheckpointLoadError(
             "The checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
             + "\n- ".join(problems)
             + ("\n" + " ".join(fixes) if fixes else "")
         )
+    if plan.aligned:
+        rank_zero_info(
+            f"lightning-fsdp: the checkpoint's names match the model's once {_describe(plan.aligned)}; loading them so"
+            f" (as with `rename={plan.aligned!r}`; pass `rename={{}}` to turn this off)."
+        )
     return plan
 
 
-def _prefix_hint(expected: set[str], found: set[str]) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        stripped = {name.removeprefix(prefix) for name in found if name.startswith(prefix)}
-        if stripped and len(stripped & expected) > len(found & expected):
-            return (
-                f"The checkpoint's names start with {prefix!r}, which a wrapper added when it was saved: they match"
-                f" the model once it is removed. Re-save it without the prefix, e.g. `torch.save({{k.removeprefix("
-                f"{prefix!r}): v for k, v in torch.load(path, mmap=True).items()}}, new_path)`."
+def _match(
+    targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], originals: Mapping[str, str]
+) -> tuple[NamePlan, list[str], list[str]]:
+    """The plan for the checkpoint's tensors under new names (``originals``: new name -> name in the file)."""
+    plan = NamePlan()
+    expected_names: set[str] = set()
+    shape_mismatches: list[str] = []
+    dtype_mismatches: list[str] = []
+    for target in targets:
+        expected_names.update(target.names)
+        present = next((name for name in target.names if name in originals), None)
+        if present is None:
+            plan.missing.append(target.names[0])
+            continue
+        source_name = originals[present]
+        spec = specs[source_name]
+        if spec.shape != target.shape:
+            shape_mismatches.append(f"{source_name!r}: checkpoint {_shape(spec.shape)}, model {_shape(target.shape)}")
+            continue
+        if spec.dtype != target.dtype:
+            if not (spec.dtype.is_floating_point and target.dtype.is_floating_point):
+                dtype_mismatches.append(f"{source_name!r}: checkpoint {spec.dtype}, model {target.dtype}")
+                continue
+            plan.casts[target.names[0]] = (spec.dtype, target.dtype)
+        plan.sources[target.names[0]] = source_name
+    plan.unexpected = [original for name, original in originals.items() if name not in expected_names]
+    return plan, shape_mismatches, dtype_mismatches
+
+
+def check_whole_module(module: Module) -> None:
+    """Refuse a submodule of an FSDP model whose parameters are held by an FSDP unit around it.
+
+    ``fabric.load_raw(path, model.model)`` hands the loader a module that FSDP did not wrap on its own: the
+    parameters outside its own FSDP units (an embedding, a final norm) live in the flat parameter of a unit that wraps
+    its parent, which this module cannot reach, so they would be reported as unexpected.
+
+    Raises:
+        CheckpointLoadError: If such parameters exist, saying how to load into the top-level model instead.
+
+    """
+    outer = _outer_unit_tensors(module)
+    if not outer:
+        return
+    names = [name for name, _ in outer]
+    prefixes = {prefix for _, prefix in outer}
+    if len(prefixes) == 1 and None not in prefixes:
+        prefix = prefixes.pop()
+        how = f"with `rename={{'': {prefix!r}}}` (the module's place in the model) and `strict=False`"
+    else:
+        how = "with `rename={'': '<the name of this module in the model>.'}` and `strict=False`"
+    raise CheckpointLoadError(
+        f"The module to load into is a part of an FSDP model, not the model itself: {len(names)} of its tensors"
+        f" ({_names(names)}) are held by an FSDP unit that wraps its parent, so they cannot be loaded through it."
+        f" Load into the model that `fabric.setup` returned instead, {how}, so that the checkpoint's names land in this"
+        f" module and the rest of the model stays as it is. {_RENAME_USAGE}"
+    )
+
+
+def _outer_unit_tensors(module: Module) -> list[tuple[str, str | None]]:
+    """The tensors of ``module`` that an FSDP unit outside it holds: (name, the module's prefix there if known)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp._flat_param import FlatParameter
+    except ImportError:  # pragma: no cover (a torch release without FSDP1)
+        return []
+    inner_flat: set[int] = set()
+    inner_params: set[int] = set()
+    for submodule in module.modules():
+        handle = getattr(submodule, "_handle", None) if isinstance(submodule, FullyShardedDataParallel) else None
+        if handle is not None:
+            inner_flat.add(id(handle.flat_param))
+            inner_params.update(id(param) for param in getattr(handle.flat_param, "_params", None) or [])
+    found: list[tuple[str, str | None]] = []
+    for module_name, submodule in module.named_modules():
+        if isinstance(submodule, FullyShardedDataParallel):
+            continue
+        for name, param in submodule._parameters.items():
+            # With `use_orig_params=True`, an outer unit's parameters stay registered here, marked as flattened.
+            if param is None or isinstance(param, FlatParameter) or id(param) in inner_params:
+                continue
+            if getattr(param, "_fsdp_flattened", False):
+                found.append((_clean(_join(module_name, name)), None))
+        for name, value in vars(submodule).items():
+            # With `use_orig_params=False`, they are plain tensor attributes that view the outer flat parameter.
+            base = getattr(value, "_base", None) if isinstance(value, torch.Tensor) else None
+            if isinstance(base, FlatParameter) and id(base) not in inner_flat:
+                relative = _clean(_join(module_name, name))
+                found.append((relative, _prefix_in(base, relative)))
+    return found
+
+
+def _prefix_in(flat_param: Any, relative: str) -> str | None:
+    """The prefix that the outer unit's name of ``relative`` has, if exactly one of its names ends with it."""
+    fqns = [str(fqn) for fqn in getattr(flat_param, "_fqns", ())]
+    prefixes = {fqn[: -len(relative)] for fqn in fqns if fqn == relative or fqn.endswith(f".{relative}")}
+    return prefixes.pop() if len(prefixes) == 1 else None
+
+
+def _alignment(targets: Sequence[TargetSpec], names: list[str]) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """The one prefix rename that makes every model tensor match, and the candidates when several do."""
+    if not targets or not names:
+        return {}, []
+    working = []
+    for candidate in _candidates(targets, names):
+        renamed = _with_prefix(names, candidate)
+        if renamed is not None and _all_matched(targets, renamed):
+            working.append(candidate)
+    return (working[0], []) if len(working) == 1 else ({}, working)
+
+
+def _candidates(targets: Sequence[TargetSpec], names: list[str]) -> list[dict[str, str]]:
+    removed = [p for p in dict.fromkeys([*_WRAPPER_PREFIXES, *_common_prefixes(names)]) if _any_starts(names, p)]
+    added = dict.fromkeys([*_WRAPPER_PREFIXES, *_common_prefixes(target.names[0] for target in targets)])
+    return [{prefix: ""} for prefix in removed] + [{"": prefix} for prefix in added]
+
+
+def _with_prefix(names: list[str], candidate: dict[str, str]) -> set[str] | None:
+    """The names with one prefix removed (``{prefix: ""}``) or added (``{"": prefix}``); ``None`` if two collide."""
+    ((removed, added),) = candidate.items()
+    if removed:
+        renamed = {name[len(removed) :] if name.startswith(removed) else name for name in names}
+    else:
+        renamed = {added + name for name in names}
+    return renamed if len(renamed) == len(names) else None
+
+
+def _common_prefixes(names: Iterable[str]) -> list[str]:
+    counts = Counter(name.split(".", 1)[0] + "." for name in names if "." in name)
+    return [prefix for prefix, _ in counts.most_common(_DATA_PREFIXES)]
+
+
+def _any_starts(names: list[str], prefix: str) -> bool:
+    return any(name.startswith(prefix) for name in names)
+
+
+def _matched(targets: Sequence[TargetSpec], names: set[str]) -> int:
+    return sum(1 for target in targets if any(name in names for name in target.names))
+
+
+def _all_matched(targets: Sequence[TargetSpec], names: set[str]) -> bool:
+    return all(any(name in names for name in target.names) for target in targets)
+
+
+def _rename_one(name: str, rename: Rename) -> str | None:
+    if isinstance(rename, Mapping):
+        prefix = max((p for p in rename if name.startswith(p)), key=len, default=None)
+        if prefix is None:
+            return name
+        replacement = rename[prefix]
+        return None if replacement is None else replacement + name[len(prefix) :]
+    new = rename(name)
+    if new is not None and not isinstance(new, str):
+        raise CheckpointLoadError(
+            f"`rename` returned {new!r} ({type(new).__name__}) for the checkpoint tensor {name!r}: it must return the"
+            " model's name for it (a string) or `None` to leave it out."
+        )
+    return new
+
+
+def _renamed(specs: Mapping[str, TensorSpec], rename: Rename) -> dict[str, str]:
+    """New name -> the name in the file, for every tensor that ``rename`` keeps."""
+    if isinstance(rename, Mapping) and not rename:
+        return {name: name for name in specs}
+    originals: dict[str, str] = {}
+    for name in specs:
+        new = _rename_one(name, rename)
+        if new is None:
+            continue
+        if new in originals:
+            raise CheckpointLoadError(
+                f"`rename` gives two checkpoint tensors the same name {new!r}: {originals[new]!r} and {name!r}. Map"
+                " each checkpoint name to its own model name, or leave one of them out (map it to `None`)."
             )
-        added = {name.removeprefix(prefix) for name in expected if name.startswith(prefix)}
-        if added and len(added & found) > len(found & expected):
-            return (
-                f"The model's names start with {prefix!r} (the model is wrapped, e.g. by `torch.compile` or"
-                " DDP) but the checkpoint's do not: load the checkpoint into the unwrapped module instead."
-            )
-    return ""
+        originals[new] = name
+    return originals
+
+
+def _advice(
+    targets: Sequence[TargetSpec],
+    names: list[str],
+    rename: Rename | None,
+    plan: NamePlan,
+    ambiguous: list[dict[str, str]],
+) -> list[str]:
+    """What would make this checkpoint load, as a ``rename`` value to pass."""
+    if rename is not None:
+        renamed = [new for new in (_rename_one(name, rename) for name in names[:_SHOWN]) if new is not None]
+        return [f"After `rename`, the checkpoint's names read {_names(renamed)}, ..."] if renamed else []
+    if plan.aligned:
+        value = _leaving_out(plan)
+        if value is None:
+            return [f"The names were aligned by `rename={plan.aligned!r}`, found automatically."]
+        return [
+            f"The names were aligned by `rename={plan.aligned!r}`, found automatically; to leave out the checkpoint"
+            f" tensors that the model does not have, pass `rename={value!r}`. {_RENAME_USAGE}"
+        ]
+    if ambiguous:
+        choices = " or ".join(f"`rename={candidate!r}`" for candidate in ambiguous[:_SHOWN])
+        return [
+            f"The names match the model's with one of several prefixes changed: pass the right one, {choices}."
+            f" {_RENAME_USAGE}"
+        ]
+    best, matched = _best_candidate(targets, names)
+    if best is None or matched <= len(targets) - len(plan.missing):
+        return []
+    partial = " and `strict=False`" if matched < len(targets) else ""
+    return [
+        f"The checkpoint's names match the model's better once {_describe(best)}: with `rename={best!r}`{partial},"
+        f" {matched} of the model's {len(targets)} tensors load. {_RENAME_USAGE}"
+    ]
+
+
+def _best_candidate(targets: Sequence[TargetSpec], names: list[str]) -> tuple[dict[str, str] | None, int]:
+    best: dict[str, str] | None = None
+    best_matched = 0
+    for candidate in _candidates(targets, names):
+        renamed = _with_prefix(names, candidate)
+        matched = _matched(targets, renamed) if renamed is not None else 0
+        if matched > best_matched:
+            best, best_matched = candidate, matched
+    return best, best_matched
+
+
+def _leaving_out(plan: NamePlan) -> dict[str, str | None] | None:
+    """``plan.aligned`` plus the prefixes that leave out the unexpected tensors, if a few prefixes do so safely."""
+    used = set(plan.sources.values())
+    groups = dict.fromkeys(name.split(".", 1)[0] + "." if "." in name else name for name in plan.unexpected)
+    if len(groups) > _SHOWN or any(name.startswith(group) for group in groups for name in used):
+        return None
+    return {**plan.aligned, **dict.fromkeys(groups)}
+
+
+def _describe(aligned: Mapping[str, str]) -> str:
+    (removed, added), *_ = aligned.items()
+    return f"the prefix {removed!r} is removed from them" if removed else f"the prefix {added!r} is added to them"
+
+
+def _clean(name: str) -> str:
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return clean_tensor_name(name)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _names(names: Sequence[str]) -> str:

@@ -141,8 +141,10 @@ def test_fabric_checkpoint_and_raw_file_told_apart(tmp_path, state_dict):
     opened = open_checkpoint(detect_checkpoint(tmp_path / "fabric.ckpt"), module_key="model", weights_only=True)
     assert not opened.raw
     assert opened.entries == {"step": 3}
-    with pytest.raises(CheckpointLoadError, match=r"not a raw module state dict.*'model', 'step'.*fabric.load"):
-        open_checkpoint(detect_checkpoint(tmp_path / "fabric.ckpt"), module_key=None, weights_only=True)
+    # `load_raw` (no key) takes the checkpoint's one module entry, as from a sharded checkpoint.
+    opened = open_checkpoint(detect_checkpoint(tmp_path / "fabric.ckpt"), module_key=None, weights_only=True)
+    assert set(opened.source.specs()) == set(state_dict)
+    assert opened.entries == {}
     with pytest.raises(CheckpointLoadError, match=r"no entry 'net' for the model.*'model', 'step'"):
         open_checkpoint(detect_checkpoint(tmp_path / "fabric.ckpt"), module_key="net", weights_only=True)
 

@@ -1,0 +1,98 @@
+"""What both strategies do around the loader: the request from Fabric's ``state``, per-load options, the rank info.
+
+:class:`lightning_fsdp.FSDPStrategy` (FSDP1) and :class:`lightning_fsdp.ModelParallelStrategy` (FSDP2) check their
+arguments as their upstream classes do, then both call :func:`load_into_state`.
+
+Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level helpers), which
+``model_parallel.py`` imports from already.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.load import _move_state_into
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
+from lightning_fsdp.loading.turns import validate_concurrency
+from lightning_fsdp.loading.validation import Rename, check_rename
+
+
+class LoadingStrategy(Protocol):
+    """The attributes of a strategy that loading reads (both strategies of this package have them)."""
+
+    load_concurrency: int | Literal["auto"]
+    load_progress: bool
+    _load_rename: Rename | None
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def node_rank(self) -> int: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+
+def init_loading_options(strategy: LoadingStrategy, concurrency: Any, progress: bool) -> None:
+    """Check and set the loading arguments that both strategies take, and clear the per-load options."""
+    strategy.load_concurrency = validate_concurrency(concurrency)
+    strategy.load_progress = progress
+    strategy._load_rename = None
+
+
+def load_request(
+    state: Module | dict[str, Any], module_key: str | None, strict: bool, weights_only: bool, rename: Rename | None
+) -> LoadRequest:
+    """What to load: a module alone (``load_raw``), or the module under ``module_key``, its optimizers and the rest."""
+    if isinstance(state, Module):
+        return LoadRequest(state, None, strict=strict, weights_only=weights_only, rename=rename)
+    assert module_key is not None
+    optimizers = {key: obj for key, obj in state.items() if isinstance(obj, Optimizer)}
+    metadata_keys = frozenset(state) - {module_key} - set(optimizers)
+    return LoadRequest(state[module_key], module_key, optimizers, metadata_keys, strict, weights_only, rename=rename)
+
+
+def load_into_state(strategy: LoadingStrategy, path: Path, state: Module | dict[str, Any], request: LoadRequest) -> Any:
+    """Run the load, warn about what ``strict=False`` skipped, move the metadata into ``state``; return the rest."""
+    options = LoadOptions(strategy.load_concurrency, progress=None if strategy.load_progress else False)
+    result: LoadResult = load(path, request, rank_info(strategy), options)
+    if result.skipped:
+        rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {result.skipped}.")
+    if isinstance(state, Module):
+        return {}
+    _move_state_into(source=result.metadata, destination=state, keys=request.metadata_keys)
+    return result.remainder
+
+
+def rank_info(strategy: LoadingStrategy) -> RankInfo:
+    """Where this process sits; a single process when the strategy was not launched (no process group)."""
+    if not _distributed_is_initialized():
+        # Not launched (a strategy used directly, as in unit tests): a single process, as upstream assumes.
+        return RankInfo()
+    return RankInfo(
+        world_size=strategy.world_size,
+        node_rank=strategy.node_rank,
+        local_rank=strategy.local_rank,
+        local_world_size=strategy.num_processes,
+    )
+
+
+@contextmanager
+def load_options(strategy: LoadingStrategy, rename: Rename | None) -> Iterator[None]:
+    """Set the options of the loads inside the block on ``strategy``, and restore the previous ones after it."""
+    check_rename(rename)
+    previous, strategy._load_rename = strategy._load_rename, rename
+    try:
+        yield
+    finally:
+        strategy._load_rename = previous

@@ -1,0 +1,147 @@
+# Copyright The lightning-fsdp developers.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Fabric's ``ModelParallelStrategy`` (FSDP2, tensor parallelism), loading full checkpoints shard-locally.
+
+Upstream destination: ``src/lightning/fabric/strategies/model_parallel.py``.
+"""
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelParallelStrategy
+from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
+from lightning.fabric.strategies.model_parallel import _load_checkpoint, _load_raw_module_state_from_path
+from lightning.fabric.utilities.types import _PATH
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
+from lightning_fsdp.loading.validation import Rename
+from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+TModel = TypeVar("TModel", bound=Module)
+
+
+class ModelParallelStrategy(_UpstreamModelParallelStrategy):
+    r"""Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` that loads full checkpoints shard-locally.
+
+    It behaves like the upstream class (FSDP2 and tensor parallelism applied by ``parallelize_fn``; on CPU with the
+    ``gloo`` backend too). In addition, :meth:`load_checkpoint` (``fabric.load``, ``fabric.load_raw``) reads raw module
+    state dicts, safetensors and Hugging Face checkpoints besides Fabric's own, and copies each rank's own slice of
+    every tensor straight into its ``DTensor`` shards, without broadcasting full tensors.
+
+    Arguments:
+        parallelize_fn: A function that applies parallelisms to a module. The strategy will provide the
+            model and device mesh as input.
+        data_parallel_size: The number of devices within a data-parallel group. Defaults to ``"auto"``, which
+            sets this size to the number of nodes in the cluster.
+        tensor_parallel_size: The number of devices within a tensor-parallel group. Defaults to ``"auto"``, which
+            sets this size to the number of GPUs in a single node.
+        save_distributed_checkpoint: If ``True``, each rank saves its shard of weights and optimizer states to a file.
+            If ``False``, the full weights and optimizer states get assembled on rank 0 and saved to a single file.
+        process_group_backend: The ``torch.distributed`` backend (default: chosen for the device).
+        timeout: The timeout of the process group's collectives.
+        load_concurrency: How many ranks of a node may hold a checkpoint that must be read whole (a pickled file
+            loaded with ``weights_only=False``) in host memory at the same time; ``"auto"`` derives it from the
+            memory available to the node. See :class:`lightning_fsdp.FSDPStrategy`.
+        load_progress: Show a progress bar while loading, once per node, when the output is a terminal.
+
+    """
+
+    def __init__(
+        self,
+        parallelize_fn: Callable[[TModel, "DeviceMesh"], TModel],
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        load_concurrency: int | Literal["auto"] = "auto",
+        load_progress: bool = True,
+    ) -> None:
+        super().__init__(
+            parallelize_fn=parallelize_fn,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        init_loading_options(self, load_concurrency, load_progress)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a checkpoint into the given model, optimizers and other state; return what nobody asked for.
+
+        A sharded (distributed checkpoint) directory loads as upstream does, each rank reading its own shards. Every
+        other checkpoint (a full file that ``fabric.save`` wrote, a raw module state dict in zip or legacy format, a
+        ``.safetensors`` file, a Hugging Face sharded checkpoint) is validated on every rank, then each rank copies
+        only its own slice of every parameter and optimizer state into its local ``DTensor`` shards, reading only
+        those bytes. See :meth:`lightning_fsdp.FSDPStrategy.load_checkpoint` for the formats, ``strict`` and
+        ``weights_only``.
+
+        """
+        if not state:
+            raise ValueError(
+                f"Got {type(self).__name__}.load_checkpoint(..., state={state!r}) but a state with at least "
+                " a model instance to reload is required. Pass it in like so:"
+                f" {type(self).__name__}.load_checkpoint(..., state={{'model': model, ...}})"
+            )
+        path = Path(self.broadcast(path))
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                f"Loading a single optimizer object from a checkpoint is not supported yet with {type(self).__name__}."
+            )
+        if _is_sharded_checkpoint(path):
+            if isinstance(state, Module):  # upstream refuses a directory here, with its message
+                _load_raw_module_state_from_path(path, module=state, world_size=self.world_size, strict=strict)
+            return _load_checkpoint(path=path, state=state, strict=strict, weights_only=weights_only)
+        module_key = None if isinstance(state, Module) else _distributed_module_key(state)
+        request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
+        return load_into_state(self, path, state, request)
+
+    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
+        """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
+        return load_options(self, rename)
+
+
+def _distributed_module_key(state: dict[str, Any]) -> str:
+    keys = [key for key, obj in state.items() if isinstance(obj, Module) and has_dtensor_params(obj)]
+    if not keys:
+        raise ValueError(
+            "Could not find a distributed model in the provided checkpoint state. Please provide the model as"
+            " part of the state like so: `load_checkpoint(..., state={'model': model, ...})`. Make sure"
+            " you set up the model (and optimizers if any) through the strategy before loading the checkpoint."
+        )
+    if len(keys) > 1:
+        raise ValueError(
+            "Found multiple distributed models in the given state. Loading distributed checkpoints is"
+            " currently limited to a single model per checkpoint. To load multiple models, call the"
+            " load method for each model separately with a different path."
+        )
+    return keys[0]
