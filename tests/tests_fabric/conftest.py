@@ -47,16 +47,16 @@ def reset_rank_zero_only():
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "package_only: a test of this package itself (`lightning_fsdp.enable()`, its CLI, docs, benchmark), which"
-        " `python -m lightning_fsdp.upstream` leaves out and which is skipped against upstream's class",
+        "package_only: a test of the lightning-fsdp package itself (its opt-in, CLI, docs, benchmark), which its"
+        " upstream command leaves out and which is skipped against upstream's class",
     )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item], config: pytest.Config) -> None:
     """Skip the ``package_only`` tests against upstream's class; with ``PL_RUN_STANDALONE_TESTS=1``, keep only the
     tests marked standalone (as Lightning's suite does)."""
-    # `python -m lightning_fsdp.upstream` rewrites the import above to upstream's class (and leaves out the tests
-    # marked at module or function level); this catches any other marked test, e.g. a method of a test class.
+    # The upstream command rewrites the import above to upstream's class (and leaves out the tests marked at module or
+    # function level); this catches any other marked test, e.g. a method of a test class.
     if not FSDPStrategy.__module__.startswith("lightning_fsdp."):
         skip = pytest.mark.skip(reason="a test of the lightning_fsdp package, run against upstream's class")
         for item in items:

@@ -40,7 +40,11 @@ PROJECT_DIR = PACKAGE_DIR.parent.parent
 #: Where the loading package goes: beside ``utilities/load.py``, as a package of its own.
 LOADING_MODULE = "lightning.fabric.utilities.checkpoint_loading"
 #: Our modules that are merged, module-level only, into an upstream module (the device checks are not FSDP-specific).
-MERGED_MODULES = {"devices": "lightning.fabric.strategies.parallel"}
+MERGED_MODULES = {
+    "devices": "lightning.fabric.strategies.parallel",
+    # What both strategies do around the loader; ``model_parallel.py`` imports from ``fsdp.py`` already.
+    "loading_calls": "lightning.fabric.strategies.fsdp",
+}
 #: Our modules that do not go upstream, and why.
 NOT_CARRIED = {
     "__init__": "the package's public names; upstream exports them from their new modules",
@@ -157,19 +161,20 @@ def plan(tree: Path) -> Plan:
     targets = _targets(ours)
     _check_supported(root, result.found_version, sorted({*targets.values(), "lightning.fabric.connector"}))
     names = _name_map(root, ours, targets)
-    for name, target_module in targets.items():
-        path = _module_path(target_module)
-        target = Source(_read(root / path), path)
+    # Module-level merges first, so that a class merged into the same module finds their helpers there.
+    merged: dict[str, Change] = {}
+    for name in sorted(targets, key=lambda name: (name not in MERGED_MODULES, name)):
+        path = _module_path(targets[name])
+        if path not in merged:
+            original = _read(root / path)
+            merged[path] = Change(path, original, original, name)
+        else:
+            merged[path].source += f", {name}"
         rewritten = rewrite_python(ours[name].read_text(), names, _ours_path(ours[name]))
         result.notes.extend(rewritten.notes)
-        result.changes.append(
-            Change(
-                path,
-                target.text,
-                merge_module(target, target_module, Source(rewritten.text, _ours_path(ours[name]))),
-                name,
-            )
-        )
+        ours_source = Source(rewritten.text, _ours_path(ours[name]))
+        merged[path].new = merge_module(Source(merged[path].new, path), targets[name], ours_source)
+    result.changes.extend(merged.values())
     loading_dir = PACKAGE_DIR / "loading"
     cycle = set(targets.values())
     for file in sorted(loading_dir.rglob("*.py")):

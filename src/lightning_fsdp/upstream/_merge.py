@@ -162,21 +162,20 @@ def _bindings(statements: list[ast.stmt]) -> dict[str, _Binding]:
     return bindings
 
 
-def _is_base_class(binding: _Binding, ours: Source) -> bool:
-    bases = {
-        base.id
+def _is_base_class(binding: _Binding | None, ours: Source) -> bool:
+    """Whether ``binding`` imports the upstream class that a class of ours extends under the same name."""
+    bound = _bindings(ours.tree.body)
+    return binding is not None and any(
+        isinstance(base, ast.Name) and bound.get(base.id) == binding and binding.name == node.name
         for node in ours.tree.body
         if isinstance(node, ast.ClassDef)
         for base in node.bases
-        if isinstance(base, ast.Name)
-    }
-    bound = _bindings(ours.tree.body)
-    return any(bound.get(name) == binding for name in bases)
+    )
 
 
 def _subclasses_upstream(node: ast.ClassDef, ours: Source) -> bool:
     bindings = _bindings(ours.tree.body)
-    return any(isinstance(base, ast.Name) and _is_base_class(bindings.get(base.id), ours) for base in node.bases)  # type: ignore[arg-type]
+    return any(isinstance(base, ast.Name) and _is_base_class(bindings.get(base.id), ours) for base in node.bases)
 
 
 def _resolve_self_references(ours: Source, target_module: str) -> Source:
