@@ -23,7 +23,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import lightning_fsdp
-from lightning_fsdp.upstream._merge import merge_module, upstream_base
+from lightning_fsdp.upstream._merge import drop_unused_imports, merge_module, upstream_base
 from lightning_fsdp.upstream._rewrite import (
     NameMap,
     drop_package_only,
@@ -174,6 +174,8 @@ def plan(tree: Path) -> Plan:
         result.notes.extend(rewritten.notes)
         ours_source = Source(rewritten.text, _ours_path(ours[name]))
         merged[path].new = merge_module(Source(merged[path].new, path), targets[name], ours_source)
+    for change in merged.values():
+        change.new = drop_unused_imports(change.old or "", change.new, change.path)
     result.changes.extend(merged.values())
     loading_dir = PACKAGE_DIR / "loading"
     cycle = set(targets.values())
@@ -185,7 +187,8 @@ def plan(tree: Path) -> Plan:
         path = f"{_module_path(LOADING_MODULE, package=True)}/{relative}"
         result.changes.append(Change(path, _read_optional(root / path), text, _ours_path(file)))
     connector = _read(root / CONNECTOR)
-    result.changes.append(Change(CONNECTOR, connector, _allow_cpu(Source(connector, CONNECTOR)), "strategy (CPU)"))
+    allowed = drop_unused_imports(connector, _allow_cpu(Source(connector, CONNECTOR)), CONNECTOR)
+    result.changes.append(Change(CONNECTOR, connector, allowed, "strategy (CPU)"))
     changelog = _read(root / CHANGELOG)
     result.changes.append(Change(CHANGELOG, changelog, _changelog(changelog), "CHANGELOG.md"))
     _carry_tests(root, names, result)

@@ -92,7 +92,8 @@ def merge_module(target: Source, target_module: str, ours: Source) -> str:
         if isinstance(node, ast.Import | ast.ImportFrom) or is_type_checking_block(node):
             statements = node.body if is_type_checking_block(node) else [node]  # type: ignore[attr-defined]
             for bound, binding in _bindings(statements).items():
-                if binding.module == target_module or (binding.name is not None and _is_base_class(binding, ours)):
+                itself = binding.module == target_module or f"{binding.module}.{binding.name}" == target_module
+                if itself or (binding.name is not None and _is_base_class(binding, ours)):
                     continue
                 existing = target_bindings.get(bound)
                 if existing == binding or (existing is not None and _same_object(existing, binding)):
@@ -466,3 +467,45 @@ def _import_lines(imports: dict[str, list[str]], indent: str) -> str:
     lines = [f"{indent}{statement}\n" for statement in imports.get("", [])]
     lines += [f"{import_from_text(module, names, indent)}\n" for module, names in imports.items() if module]
     return "".join(lines)
+
+
+def drop_unused_imports(original: str, text: str, name: str) -> str:
+    """Remove the names that upstream imported and used, and that the change left unused (what ruff's F401 reports).
+
+    Imports that upstream did not use either (re-exports) and statements with comments are left alone.
+
+    """
+    before, after = _used_names(original), _used_names(text)
+    source = Source(text, name)
+    statements = [*source.tree.body]
+    statements += [child for node in source.tree.body if is_type_checking_block(node) for child in node.body]  # type: ignore[attr-defined]
+    edits = []
+    for node in statements:
+        if not isinstance(node, ast.ImportFrom) or not node.module or "#" in source.block_text(node):
+            continue
+        unused = [alias for alias in node.names if (alias.asname or alias.name) in before - after and alias.name != "*"]
+        if not unused:
+            continue
+        kept = [
+            alias.name if alias.asname is None else f"{alias.name} as {alias.asname}"
+            for alias in node.names
+            if alias not in unused
+        ]
+        indent = indentation(source.lines[node.lineno - 1])
+        replacement = f"{import_from_text(node.module, kept, indent)}\n" if kept else ""
+        edits.append(Edit(*source.block(node), replacement))
+    return apply_edits(text, edits)
+
+
+def _used_names(text: str) -> set[str]:
+    """Names read anywhere in a module, including inside string annotations."""
+    tree = ast.parse(text)
+    used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) < 200:
+            try:
+                annotation = ast.parse(node.value, mode="eval")
+            except SyntaxError:
+                continue
+            used |= {child.id for child in ast.walk(annotation) if isinstance(child, ast.Name)}
+    return used
