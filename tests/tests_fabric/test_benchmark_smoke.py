@@ -1,29 +1,21 @@
-"""The load benchmark (``benchmarks/bench_load.py``) runs end to end and reports sane numbers (not a timed test)."""
+"""The load benchmark (``benchmarks/bench_load``) runs end to end and reports sane numbers (not a timed test)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from benchmarks.bench_load import checkpoints
 from lightning.fabric import Fabric
 
 from lightning_fsdp import FSDPStrategy
 from tests.tests_fabric.helpers.distributed import run_distributed
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_load.py"
-
-
-def _import_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_load", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_load"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGE = _ROOT / "benchmarks" / "bench_load"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sampler reads /proc")
@@ -31,7 +23,7 @@ def test_benchmark_smoke(tmp_path):
     output = tmp_path / "table.md"
     command = [
         sys.executable,
-        str(_SCRIPT),
+        str(_PACKAGE),
         "--size=tiny",
         "--ranks=2",
         "--formats=zip",
@@ -74,14 +66,13 @@ def test_benchmark_smoke(tmp_path):
 
 
 def _save_full_checkpoint(path: str) -> None:
-    bench = _import_benchmark()  # in this rank's process: a module cannot be sent to it
-    strategy = FSDPStrategy(auto_wrap_policy={bench.Block}, state_dict_type="full")
+    strategy = FSDPStrategy(auto_wrap_policy={checkpoints.Block}, state_dict_type="full")
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     with fabric.init_module(empty_init=True):
-        model = bench.Model(8, 2)
+        model = checkpoints.Model(8, 2)
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=bench.ADAM_LR))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=checkpoints.ADAM_LR))
     fabric.backward(model(torch.randn(2, 8)).sum())
     optimizer.step()
     fabric.save(path, {"model": model, "optimizer": optimizer})
@@ -99,10 +90,19 @@ def _structure(value: Any) -> Any:
 
 def test_full_checkpoint_is_built_like_fabric_save(tmp_path):
     """The benchmark writes its full checkpoint directly; it must have the layout that `fabric.save` gives."""
-    bench = _import_benchmark()
     path = tmp_path / "fabric.ckpt"
     run_distributed(_save_full_checkpoint, str(path), devices=2)
     saved = torch.load(path, weights_only=True)
-    _, param_names = bench._state_dict_layout(8, 2)
-    built = bench._full_checkpoint(bench._make_state_dict(8, 2), param_names)
+    _, param_names = checkpoints._state_dict_layout(8, 2)
+    built = checkpoints._full_checkpoint(checkpoints._make_state_dict(8, 2), param_names)
     assert _structure(built) == _structure(saved)
+
+
+def test_benchmark_runs_as_module():
+    """The README's other way to run it: ``python -m benchmarks.bench_load`` from the repository root."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_load", "--help"], cwd=_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "usage: bench_load" in completed.stdout
+    assert "--load-concurrency" in completed.stdout
