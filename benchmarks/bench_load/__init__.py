@@ -18,6 +18,9 @@ such as a memory-mapped checkpoint in the page cache, counts once in total):
   read round-robin in the background and each rank's ``RssFile`` (read every 10 ms) is scaled by the share that
   its nearest ``smaps_rollup`` reading found (``Pss_File / RssFile``).
 
+Each rank also reads its own ``/proc/self/io`` around the load: the bytes it made the kernel fetch from storage
+(``read_bytes``) and the bytes its read calls returned (``rchar``), summed per node in the report.
+
 Modules: ``checkpoints`` (the model and the files of every format), ``worker`` (the rank process: load with this
 project or upstream, verify), ``sampler`` (memory of the rank processes), ``runner`` (one measured load), ``report``
 (the Markdown tables) and ``cli`` (the options, every case in turn).

@@ -26,7 +26,7 @@ FORMAT_TITLES = {
     "full": "full checkpoint with Adam state",
     "zip": "raw state dict, torch zip file",
     "legacy": "raw state dict, legacy pickle file",
-    "legacy-fabric": "Fabric checkpoint {'model': ...}, legacy pickle file (read whole)",
+    "legacy-fabric": "Fabric checkpoint {'model': ...}, legacy pickle file",
     "safetensors": "raw state dict, safetensors",
 }
 FILE_NAMES = {
@@ -36,8 +36,11 @@ FILE_NAMES = {
     "legacy-fabric": "fabric_legacy.ckpt",
     "safetensors": "model.safetensors",
 }
-#: Formats that lightning-fsdp runs with k=1 and k=all by default (legacy-fabric is read whole, in turns).
+#: Formats that lightning-fsdp runs with k=1 and k=all by default. With ``weights_only=True`` it reads them by byte
+#: ranges, so k should not matter; with ``weights_only=False`` it reads a pickled file whole, in turns of k ranks.
 _TURN_FORMATS = ("legacy", "legacy-fabric")
+#: Formats that are also loaded as a trusted file, with ``weights_only=False``: read whole, the path that turns serve.
+_TRUSTED_FORMATS = ("legacy-fabric",)
 ADAM_STEP = 10.0
 ADAM_LR = 1e-3
 _CHECKSUM_PERIOD = 1013

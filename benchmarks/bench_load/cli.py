@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from . import __doc__ as _DESCRIPTION
-from .checkpoints import _TURN_FORMATS, FORMATS, PRESETS, write_checkpoints
+from .checkpoints import _TRUSTED_FORMATS, _TURN_FORMATS, FORMATS, PRESETS, write_checkpoints
 from .output import _gb, _log
 from .report import _machine, render
 from .runner import _BUSY_MACHINE, Case, run_case
@@ -38,11 +38,11 @@ def _cases(args: argparse.Namespace) -> list[Case]:
         has_safetensors = False
     per_node = args.ranks // args.nodes
     cases = []
-    for fmt in args.formats:
+    for fmt, weights_only in [(f, w) for f in args.formats for w in (True, False) if w or f in _TRUSTED_FORMATS]:
         for impl in args.implementations:
             if impl == "upstream":
                 reason = "n/a (upstream has no safetensors support)" if fmt == "safetensors" else None
-                cases.append(Case(fmt, impl, None, f"upstream {lightning.__version__}", reason))
+                cases.append(Case(fmt, impl, None, f"upstream {lightning.__version__}", reason, weights_only))
                 continue
             ks = args.load_concurrency
             if ks is None:
@@ -57,7 +57,7 @@ def _cases(args: argparse.Namespace) -> list[Case]:
                     reason = "n/a (`load_concurrency` not available yet)"
                 if fmt == "safetensors" and not has_safetensors:
                     reason = "n/a (safetensors is not installed)"
-                cases.append(Case(fmt, impl, k, label, reason))
+                cases.append(Case(fmt, impl, k, label, reason, weights_only))
     return cases
 
 
@@ -116,17 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.settle is None:
         args.settle = 0.3 if width * depth < 4096 else 1.0
 
-    machine = _machine()
+    machine = _machine(args.workdir)
     meta = write_checkpoints(args.workdir, width, depth, args.formats, args.rewrite)
     cases = _cases(args)
     results = []
     for index, case in enumerate(cases, 1):
         if case.unavailable:
-            _log(f"[{index}/{len(cases)}] {case.format} / {case.label}: {case.unavailable}")
+            _log(f"[{index}/{len(cases)}] {case.title} / {case.label}: {case.unavailable}")
             results.append((case, {}))
             continue
-        _log(f"[{index}/{len(cases)}] {case.format} / {case.label} ...")
-        run_dir = args.workdir / "runs" / f"{case.format}-{case.implementation}-k{case.load_concurrency}"
+        _log(f"[{index}/{len(cases)}] {case.title} / {case.label} ...")
+        trusted = "" if case.weights_only else "-trusted"
+        run_dir = args.workdir / "runs" / f"{case.format}{trusted}-{case.implementation}-k{case.load_concurrency}"
         result = run_case(args, meta, case, run_dir)
         for _ in range(args.retry_busy):
             if result.get("other_cpu_cores", 0.0) <= _BUSY_MACHINE:

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from .checkpoints import FORMAT_TITLES, PRESETS
+from .checkpoints import PRESETS
 from .output import _gb
 from .runner import _BUSY_MACHINE, Case
-from .sampler import _read_kb
+from .sampler import _read_fields
 
 
-def _machine() -> dict[str, str]:
+def _machine(workdir: Path) -> dict[str, str]:
     cpu = platform.processor() or "unknown CPU"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -28,7 +28,7 @@ def _machine() -> dict[str, str]:
                 break
     ram = "?"
     with contextlib.suppress(OSError, TypeError):
-        ram = f"{(_read_kb('/proc/meminfo', ('MemTotal',)) or {})['MemTotal'] / 2**20:.1f} GiB"
+        ram = f"{(_read_fields('/proc/meminfo', ('MemTotal',)) or {})['MemTotal'] / 2**20:.1f} GiB"
     import lightning
 
     import lightning_fsdp
@@ -48,7 +48,34 @@ def _machine() -> dict[str, str]:
         "torch": torch.__version__,
         "lightning": lightning.__version__,
         "lightning_fsdp": lightning_fsdp.__version__ + (f" ({commit})" if commit else ""),
+        "storage": _file_system(workdir),
     }
+
+
+def _file_system(path: Path) -> str:
+    """The file system that holds ``path`` and its device, from ``/proc/mounts`` (``read_bytes`` counts block I/O)."""
+    path = path.resolve()
+    best, found = -1, "an unknown file system"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            device, mount_point, fs_type = line.split()[:3]
+            if path.is_relative_to(mount_point) and len(mount_point) > best:
+                best, found = len(mount_point), f"{fs_type} ({device})"
+    return found
+
+
+def _node_reads(result: dict[str, Any], key: str) -> str:
+    """A read counter of the load (``read_bytes`` or ``rchar``) of the node that read most."""
+    per_node = result.get(f"{key}_per_node")
+    if per_node is None:
+        return "n/a"
+    warm = " ‡" if key == "read_bytes" and not result.get("page_cache_dropped") else ""
+    return _gb(max(per_node)) + warm
+
+
+def _each_node(result: dict[str, Any], key: str) -> str:
+    per_node = result.get(f"{key}_per_node")
+    return "n/a" if per_node is None else " / ".join(_gb(value) for value in per_node)
 
 
 def _signed(value: float) -> str:
@@ -80,61 +107,68 @@ def render(
         + (" (simulated on one machine)" if args.nodes > 1 else "")
         + f", gloo; page cache: {_cache_summary(results)}.",
         "- Memory: total of all ranks, PSS. Base: after `setup`, before the load. Peak: during the load.",
+        "- Reads during the load, from `/proc/<pid>/io`, summed over the ranks of a node"
+        + (" (the larger node)" if args.nodes > 1 else "")
+        + ": storage read is `read_bytes` (what the kernel fetched from storage for them, faults on memory-mapped"
+        " files included); read-call bytes is `rchar` (what their `read`/`pread` calls returned, page-cache hits"
+        f" included, memory-mapped pages not). Checkpoints on {machine['storage']}.",
         "",
         "| checkpoint | implementation | load time | base | peak PSS | above base | peak anonymous"
-        " | peak file-backed (above base) | after load | correct |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        " | peak file-backed (above base) | after load | storage read per node | read-call bytes per node | correct |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for case, r in results:
         file_bytes = meta["files"][case.format]["bytes"]
-        title = f"{FORMAT_TITLES[case.format]} ({_gb(file_bytes)})"
+        title = f"{case.title} ({_gb(file_bytes)})"
         if case.unavailable or "error" in r:
-            lines.append(f"| {title} | {case.label} | {case.unavailable or r['error']} | | | | | | | |")
+            lines.append(f"| {title} | {case.label} | {case.unavailable or r['error']} | | | | | | | | | |")
             continue
         correct = "yes" if r["correct"] else f"**NO**: {r['correct_detail']}"
         busy = " †" if r.get("other_cpu_cores", 0.0) > _BUSY_MACHINE else ""
         lines.append(
             f"| {title} | {case.label} | {r['load_seconds']:.2f} s{busy} | {_gb(r['base_pss'])} | {_gb(r['peak_pss'])}"
             f" | {_signed(r['above_base'])} | {_gb(r['peak_anon'])}"
-            f" | {_gb(r['peak_file'])} ({_signed(r['file_above_base'])}) | {_gb(r['after_pss'])} | {correct} |"
+            f" | {_gb(r['peak_file'])} ({_signed(r['file_above_base'])}) | {_gb(r['after_pss'])}"
+            f" | {_node_reads(r, 'read_bytes')} | {_node_reads(r, 'rchar')} | {correct} |"
         )
 
     ratio_rows = []
-    by_key = {(c.format, c.implementation, c.load_concurrency): (c, r) for c, r in results}
+    by_key = _measured(results)
     for case, r in results:
-        if case.implementation != "ours" or case.unavailable or "error" in r:
+        u = by_key.get((case.format, case.weights_only, "upstream", None))
+        if case.implementation != "ours" or case.key not in by_key or u is None:
             continue
-        base_case = by_key.get((case.format, "upstream", None))
-        if base_case is None or base_case[0].unavailable or "error" in base_case[1]:
-            continue
-        u = base_case[1]
         ratio_rows.append(
-            f"| {FORMAT_TITLES[case.format]} | {case.label} | {_ratio(r['load_seconds'], u['load_seconds'])}"
+            f"| {case.title} | {case.label} | {_ratio(r['load_seconds'], u['load_seconds'])}"
             f" | {_ratio(r['peak_pss'], u['peak_pss'])} | {_ratio(r['above_base'], u['above_base'])}"
-            f" | {_ratio(r['peak_anon'], u['peak_anon'])} |"
+            f" | {_ratio(r['peak_anon'], u['peak_anon'])}"
+            f" | {_ratio(max(r.get('read_bytes_per_node', [0])), max(u.get('read_bytes_per_node', [0])))} |"
         )
     if ratio_rows:
         lines += [
             "",
             "Ratios, lightning-fsdp / upstream (below 1 is better):",
             "",
-            "| checkpoint | implementation | load time | peak PSS | above base | peak anonymous |",
-            "| --- | --- | --- | --- | --- | --- |",
+            "| checkpoint | implementation | load time | peak PSS | above base | peak anonymous"
+            " | storage read per node |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
             *ratio_rows,
         ]
     if args.nodes > 1:
         lines += [
             "",
-            "Per node (the largest of the nodes; the simulated nodes share one page cache):",
+            "Per node (peaks: the largest of the nodes; reads: each node, node 0 first). The simulated nodes share one"
+            " page cache: a page that one node's ranks read is not read from storage again for the other's, so"
+            " storage reads split between them, where real nodes would each read their share.",
             "",
-            "| checkpoint | implementation | peak anonymous | peak file-backed |",
-            "| --- | --- | --- | --- |",
+            "| checkpoint | implementation | peak anonymous | peak file-backed | storage read | read-call bytes |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for case, r in results:
             if not case.unavailable and "error" not in r:
                 lines.append(
-                    f"| {FORMAT_TITLES[case.format]} | {case.label} | {_gb(r['peak_node_anon'])}"
-                    f" | {_gb(r['peak_node_file'])} |"
+                    f"| {case.title} | {case.label} | {_gb(r['peak_node_anon'])}"
+                    f" | {_gb(r['peak_node_file'])} | {_each_node(r, 'read_bytes')} | {_each_node(r, 'rchar')} |"
                 )
 
     targets = _targets(args, meta, results)
@@ -159,11 +193,11 @@ def render(
             continue
         hwm = r.get("peak_rss_sum_of_rank_peaks")
         lines.append(
-            f"| {FORMAT_TITLES[case.format]} | {case.label} | {r['samples_in_load']} | {r['gaps_over_20ms']}"
+            f"| {case.title} | {case.label} | {r['samples_in_load']} | {r['gaps_over_20ms']}"
             f" | {r['max_sample_gap_ms']:.0f} ms | {_gb(r['peak_rss_sampled'])} | {_gb(hwm) if hwm else 'n/a'} |"
         )
 
-    measured = [r for c, r in results if not c.unavailable and "error" not in r]
+    measured = list(by_key.values())
     others = max((r.get("other_cpu_cores", 0.0) for r in measured), default=0.0)
     pss_interval = [r["pss_interval_ms"] for r in measured if r.get("pss_interval_ms")]
     anon_mismatch = max((r.get("max_anon_mismatch", 0.0) for r in measured), default=0.0)
@@ -187,6 +221,14 @@ def render(
             else "."
         )
         + " Page-cache growth, per-node peaks and CPU use of every load are in the JSON output.",
+        "- Reads: storage read counts only what was not in the page cache, so it means something only with a cold"
+        " cache (dropped before each load)"
+        + (
+            "; ‡ marks loads where the page cache was not dropped (a warm cache, or no permission to drop it)."
+            if any(not r.get("page_cache_dropped") for r in measured)
+            else "."
+        )
+        + " Both include the few Python modules that a load imports the first time. Per rank in the JSON output.",
         "- Upstream runs through a subclass that only passes the CPU device to FSDP; its `load_checkpoint` is"
         " untouched. Upstream loads a raw zip file with `fabric.load_raw` (memory-mapped) and a full checkpoint with"
         " `fabric.load`. It cannot read a legacy-format file with `load_raw` (`torch.load(mmap=True)` refuses it):"
@@ -209,12 +251,13 @@ def _cache_summary(results: list[tuple[Case, dict[str, Any]]]) -> str:
     return ", ".join(sorted(str(c) for c in caches)) or "n/a"
 
 
+def _measured(results: list[tuple[Case, dict[str, Any]]]) -> dict[tuple[str, bool, str, int | str | None], Any]:
+    """The results of the loads that ran, by :attr:`Case.key`."""
+    return {c.key: r for c, r in results if not c.unavailable and "error" not in r}
+
+
 def _targets(args: argparse.Namespace, meta: dict[str, Any], results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
-    by_key = {
-        (c.format, c.implementation, c.load_concurrency): r
-        for c, r in results
-        if not c.unavailable and "error" not in r
-    }
+    by_key = _measured(results)
     anchor = (
         (meta["config"]["width"], meta["config"]["depth"]) == PRESETS["1gb"] and args.ranks == 4 and args.nodes == 1
     )
@@ -229,14 +272,14 @@ def _targets(args: argparse.Namespace, meta: dict[str, Any], results: list[tuple
     def absolute(limit: float, value: float) -> bool | None:
         return value <= limit if anchor else None
 
-    ours_full, up_full = by_key.get(("full", "ours", None)), by_key.get(("full", "upstream", None))
+    ours_full, up_full = by_key.get(("full", True, "ours", None)), by_key.get(("full", True, "upstream", None))
     if ours_full:
         row("full: peak anonymous at most 5.0 GB (1gb, 4 ranks)", _gb(ours_full["peak_anon"]),
             absolute(5.0e9, ours_full["peak_anon"]))  # fmt: skip
         if up_full:
             value = ours_full["load_seconds"] / up_full["load_seconds"]
             row("full: load time at most 1.0x upstream", f"{value:.2f}x", value <= 1.0)
-    ours_zip, up_zip = by_key.get(("zip", "ours", None)), by_key.get(("zip", "upstream", None))
+    ours_zip, up_zip = by_key.get(("zip", True, "ours", None)), by_key.get(("zip", True, "upstream", None))
     if ours_zip:
         size = meta["files"]["zip"]["bytes"]
         row("raw zip: peak anonymous at most 2.4 GB (1gb, 4 ranks)", _gb(ours_zip["peak_anon"]),
@@ -247,8 +290,12 @@ def _targets(args: argparse.Namespace, meta: dict[str, Any], results: list[tuple
         if up_zip:
             value = ours_zip["load_seconds"] / up_zip["load_seconds"]
             row("raw zip: load time at most 1.0x upstream", f"{value:.2f}x", value <= 1.0)
-    for fmt, name in (("legacy", "raw legacy"), ("legacy-fabric", "legacy Fabric checkpoint, read whole")):
-        k1, kall = by_key.get((fmt, "ours", 1)), by_key.get((fmt, "ours", "all"))
+    for fmt, weights_only, name in (
+        ("legacy", True, "raw legacy"),
+        ("legacy-fabric", True, "legacy Fabric checkpoint"),
+        ("legacy-fabric", False, "legacy Fabric checkpoint, `weights_only=False` (read whole)"),
+    ):
+        k1, kall = by_key.get((fmt, weights_only, "ours", 1)), by_key.get((fmt, weights_only, "ours", "all"))
         if k1:
             size = meta["files"][fmt]["bytes"]
             value = k1["above_base"] / size

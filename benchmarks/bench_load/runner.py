@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import FORMAT_TITLES
 from .output import _log
 from .sampler import Sampler, _PssReading, _write_proc
 
@@ -28,6 +29,16 @@ class Case:
     load_concurrency: int | str | None = None
     label: str = ""
     unavailable: str | None = None
+    weights_only: bool = True
+
+    @property
+    def title(self) -> str:
+        """The checkpoint and how it is unpickled, as the tables name it."""
+        return FORMAT_TITLES[self.format] + ("" if self.weights_only else ", `weights_only=False`")
+
+    @property
+    def key(self) -> tuple[str, bool, str, int | str | None]:
+        return self.format, self.weights_only, self.implementation, self.load_concurrency
 
 
 def _drop_page_cache() -> bool:
@@ -65,6 +76,7 @@ def run_case(args: argparse.Namespace, meta: dict[str, Any], case: Case, run_dir
         "settle": args.settle,
         "run_dir": str(run_dir),
         "load_concurrency": per_node if k == "all" else k,
+        "weights_only": case.weights_only,
     }
     cfg_path = run_dir / "config.json"
     cfg_path.write_text(json.dumps(cfg))
@@ -118,7 +130,12 @@ def run_case(args: argparse.Namespace, meta: dict[str, Any], case: Case, run_dir
     for rank in range(args.ranks):
         path = run_dir / f"rank-{rank}.json"
         ranks.append(json.loads(path.read_text()) if path.is_file() else {"rank": rank, "phase": "?"})
-    result: dict[str, Any] = {"cache": cache, "ranks_per_node": per_node, "threads_per_rank": threads}
+    result: dict[str, Any] = {
+        "cache": cache,
+        "page_cache_dropped": cache == "cold",
+        "ranks_per_node": per_node,
+        "threads_per_rank": threads,
+    }
     errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if "error" in r]
     if errors or timed_out or any(r.get("phase") != "done" for r in ranks):
         phase = next((r["phase"] for r in ranks if "error" in r), ranks[0].get("phase"))
@@ -217,7 +234,23 @@ def _measure(
                 exact_peak_file = max(exact_peak_file, sum(r.pss_file for r in latest.values()) * 1024)
         out["peak_file_exact_readings"] = exact_peak_file
 
+    out.update(_reads(ranks, node_of))
     out.update(_correctness(ranks, meta, case))
+    return out
+
+
+def _reads(ranks: list[dict[str, Any]], node_of: list[int]) -> dict[str, Any]:
+    """What the ranks read during the load (``/proc/<pid>/io``), per rank and summed per node, in bytes."""
+    if not all("io" in r for r in ranks):
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("read_bytes", "rchar"):
+        per_rank = [r["io"][key] for r in ranks]
+        per_node = [0] * (max(node_of) + 1)
+        for node, value in zip(node_of, per_rank, strict=True):
+            per_node[node] += value
+        out[f"{key}_per_rank"] = per_rank
+        out[f"{key}_per_node"] = per_node
     return out
 
 

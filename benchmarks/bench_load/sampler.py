@@ -1,4 +1,8 @@
-"""The memory sampler: reads ``/proc`` of every rank process in background threads (see the package docstring)."""
+"""Reading ``/proc``: the memory sampler, and the counters that a rank reads of itself (its I/O, its peak RSS).
+
+The sampler reads the memory of every rank process in background threads (see the package docstring).
+
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _read_kb(path: str, keys: tuple[str, ...]) -> dict[str, int] | None:
+def _read_fields(path: str, keys: tuple[str, ...]) -> dict[str, int] | None:
+    """The first number after ``key:`` on the lines of a ``/proc`` file (kB in ``status``, bytes in ``io``)."""
     try:
         with open(path, "rb") as file:
             text = file.read().decode()
@@ -35,6 +40,19 @@ def _write_proc(path: str, text: str) -> bool:
         return False
 
 
+def _read_io() -> dict[str, int] | None:
+    """This process's I/O counters (all its threads, also ended ones), or ``None`` without I/O accounting.
+
+    ``read_bytes``: bytes this process made the kernel fetch from storage (page-cache misses, read-ahead and the
+    faults on memory-mapped files included). ``rchar``: bytes that its ``read``-family calls returned, page-cache hits
+    included; not what memory-mapped pages bring in, and not sockets read with ``recv`` (gloo's traffic).
+
+    """
+    values = _read_fields("/proc/self/io", _IO_KEYS)
+    return values if values and len(values) == len(_IO_KEYS) else None
+
+
+_IO_KEYS = ("read_bytes", "rchar")
 _STATUS_KEYS = ("RssAnon", "RssFile", "RssShmem")
 _ROLLUP_KEYS = ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -128,9 +146,9 @@ class Sampler:
             now = time.monotonic()
             rows = []
             for pid in self.pids:
-                status = _read_kb(f"/proc/{pid}/status", _STATUS_KEYS) or {}
+                status = _read_fields(f"/proc/{pid}/status", _STATUS_KEYS) or {}
                 rows.append(tuple(status.get(key, 0) for key in _STATUS_KEYS))
-            cached = (_read_kb("/proc/meminfo", ("Cached",)) or {}).get("Cached", 0)
+            cached = (_read_fields("/proc/meminfo", ("Cached",)) or {}).get("Cached", 0)
             ranks_cpu = sum(_process_cpu_seconds(pid) for pid in self.pids)
             own = os.times()
             self.ticks.append(_Tick(now, rows, cached, _busy_cpu_seconds(), ranks_cpu, own.user + own.system))
@@ -143,9 +161,9 @@ class Sampler:
         while not self._stop.is_set():
             pid = self.pids[index]
             start = time.monotonic()
-            before = _read_kb(f"/proc/{pid}/status", _STATUS_KEYS)
-            rollup = _read_kb(f"/proc/{pid}/smaps_rollup", _ROLLUP_KEYS)
-            after = _read_kb(f"/proc/{pid}/status", _STATUS_KEYS)
+            before = _read_fields(f"/proc/{pid}/status", _STATUS_KEYS)
+            rollup = _read_fields(f"/proc/{pid}/smaps_rollup", _ROLLUP_KEYS)
+            after = _read_fields(f"/proc/{pid}/status", _STATUS_KEYS)
             took = time.monotonic() - start
             if before and after and rollup and "Pss_Anon" in rollup:
                 self.readings[index].append(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoints import ADAM_LR, ADAM_STEP, Block, Model, _checksum
-from .sampler import _read_kb, _write_proc
+from .sampler import _read_fields, _read_io, _write_proc
 
 
 def _upstream_strategy_class() -> type:
@@ -56,8 +56,9 @@ def _load(cfg: dict[str, Any], fabric: Any, model: nn.Module, optimizer: Any) ->
     """The call under measurement: each implementation's best public way to load this format."""
     path = Path(cfg["path"])
     state = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    trusted = {} if cfg["weights_only"] else {"weights_only": False}
     if cfg["implementation"] != "upstream" or cfg["format"] == "full":
-        fabric.load(path, state)
+        fabric.load(path, state, **trusted)
     elif cfg["format"] == "zip":
         fabric.load_raw(path, model)
     elif cfg["format"] in ("legacy", "legacy-fabric"):
@@ -66,7 +67,7 @@ def _load(cfg: dict[str, Any], fabric: Any, model: nn.Module, optimizer: Any) ->
         from lightning.fabric.strategies.model_parallel import _load_raw_module_state
         from lightning.fabric.wrappers import _unwrap_objects
 
-        state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        state_dict = torch.load(path, map_location="cpu", weights_only=cfg["weights_only"])
         if cfg["format"] == "legacy-fabric":
             state_dict = state_dict["model"]
         _load_raw_module_state(state_dict, module=_unwrap_objects(model), world_size=fabric.world_size)
@@ -176,12 +177,16 @@ def run_worker(cfg_path: str) -> int:
         result["phase"] = "load"
         fabric.barrier()
         result["peak_rss_reset"] = _reset_peak_rss()
+        io_before = _read_io()
         result["t_load_start"] = start = time.monotonic()
         _load(cfg, fabric, model, optimizer)
         fabric.barrier()
         result["t_load_end"] = end = time.monotonic()
+        io_after = _read_io()
+        if io_before and io_after:
+            result["io"] = {key: io_after[key] - io_before[key] for key in io_before}
         result["load_seconds"] = end - start
-        result["peak_rss"] = 1024 * (_read_kb("/proc/self/status", ("VmHWM",)) or {}).get("VmHWM", 0)
+        result["peak_rss"] = 1024 * (_read_fields("/proc/self/status", ("VmHWM",)) or {}).get("VmHWM", 0)
 
         result["phase"] = "after load"
         time.sleep(cfg["settle"])

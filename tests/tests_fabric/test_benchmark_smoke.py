@@ -1,5 +1,6 @@
 """The load benchmark (``benchmarks/bench_load``) runs end to end and reports sane numbers (not a timed test)."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -8,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from benchmarks.bench_load import checkpoints
+from benchmarks.bench_load import checkpoints, cli
 from lightning.fabric import Fabric
 
 from lightning_fsdp import FSDPStrategy
@@ -41,10 +42,12 @@ def test_benchmark_smoke(tmp_path):
     table = output.read_text()
     assert table in completed.stdout
     assert "| checkpoint | implementation | load time |" in table
+    assert "| storage read per node | read-call bytes per node | correct |" in table
     rows = [line for line in table.splitlines() if line.startswith("| raw state dict, torch zip file (")]
     assert len(rows) == 2
     assert "upstream" in rows[0]
     assert "lightning-fsdp" in rows[1]
+    assert all(" ‡ |" in row for row in rows)  # a warm cache: storage reads marked as not meaningful
     assert "Machine:" in table
     assert "Ratios, lightning-fsdp / upstream" in table
 
@@ -63,6 +66,16 @@ def test_benchmark_smoke(tmp_path):
         assert result["samples_in_load"] >= 1
         # The kernel's per-rank peaks bound every sample from above.
         assert result["peak_rss_sum_of_rank_peaks"] >= 0.98 * result["peak_rss_sampled"] > 0
+        assert result["page_cache_dropped"] is False
+        assert len(result["read_bytes_per_rank"]) == len(result["rchar_per_rank"]) == 2
+        assert result["read_bytes_per_node"] == [sum(result["read_bytes_per_rank"])]
+        assert result["rchar_per_node"] == [sum(result["rchar_per_rank"])]
+        assert min(result["read_bytes_per_rank"]) >= 0
+    # lightning-fsdp reads every byte of the model with positioned reads, each rank its own shard: the node reads the
+    # file about once. (Upstream memory-maps it: its tensors never pass through a read call.)
+    ours = report["results"][1]
+    assert ours["case"]["implementation"] == "ours"
+    assert report["files"]["zip"]["bytes"] * 0.9 < ours["rchar_per_node"][0] < report["files"]["zip"]["bytes"] * 3
 
 
 def _save_full_checkpoint(path: str) -> None:
@@ -106,3 +119,22 @@ def test_benchmark_runs_as_module():
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert "usage: bench_load" in completed.stdout
     assert "--load-concurrency" in completed.stdout
+
+
+def test_legacy_fabric_checkpoint_is_also_loaded_as_a_trusted_file():
+    """The same file with ``weights_only=False``: read whole, in turns of k=1 and k=all ranks, upstream alongside."""
+    args = argparse.Namespace(
+        formats=["legacy-fabric"], implementations=["upstream", "ours"], load_concurrency=None, ranks=4, nodes=1
+    )
+    cases = cli._cases(args)
+    title = "Fabric checkpoint {'model': ...}, legacy pickle file"
+    trusted = f"{title}, `weights_only=False`"
+    upstream = [(c.title, c.weights_only) for c in cases if c.implementation == "upstream"]
+    assert upstream == [(title, True), (trusted, False)]
+    ours = [(c.title, c.label, c.weights_only) for c in cases if c.implementation == "ours"]
+    assert ours == [
+        (title, "lightning-fsdp, k=1", True),
+        (title, "lightning-fsdp, k=all (4)", True),
+        (trusted, "lightning-fsdp, k=1", False),
+        (trusted, "lightning-fsdp, k=all (4)", False),
+    ]
