@@ -228,14 +228,17 @@ def render(
             if any(not r.get("page_cache_dropped") for r in measured)
             else "."
         )
-        + " Both include the few Python modules that a load imports the first time. Per rank in the JSON output.",
+        + " Both also count what a load touches for the first time besides the checkpoint (Python modules it"
+        " imports; in storage read, library pages that the drop evicted). Per rank in the JSON output.",
         "- Upstream runs through a subclass that only passes the CPU device to FSDP; its `load_checkpoint` is"
         " untouched. Upstream loads a raw zip file with `fabric.load_raw` (memory-mapped) and a full checkpoint with"
         " `fabric.load`. It cannot read a legacy-format file with `load_raw` (`torch.load(mmap=True)` refuses it):"
         " that row is every rank calling `torch.load` and then upstream's own `load_raw` code on the state dict."
         " Upstream has no safetensors support.",
         "- lightning-fsdp loads every format with `fabric.load(path, {'model': model, ...})`;"
-        " `k` is `FSDPStrategy(load_concurrency=k)`, `k=all` is every rank of a node at once.",
+        " `k` is `FSDPStrategy(load_concurrency=k)`, `k=all` is every rank of a node at once. The `weights_only=False`"
+        " rows pass `weights_only=False` (upstream: to `torch.load`): a trusted pickle, which lightning-fsdp reads"
+        " whole, in turns; with `weights_only=True` every format is read by byte ranges.",
         "- Correct: every parameter's checksum (sum and position-weighted sum) matches the source, and for the full"
         " checkpoint every rank's Adam state (`exp_avg`, `exp_avg_sq`, `step`) matches exactly.",
     ]
