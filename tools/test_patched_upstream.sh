@@ -16,6 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-${PY:-.venv/bin/python}}
+# Absolute: the tests run from inside the patched tree (`make test` passes the venv's python as a relative path).
+case "$PY" in /*) ;; */*) PY=$PWD/$PY ;; esac
 PROJECT=$PWD
 started=$(date +%s)
 VERSION=$("$PY" -c 'from importlib.metadata import version; print(version("lightning"))')
