@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # fresh environment resolves to a CUDA build of several GB.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-standalone lint docs clean
+.PHONY: setup demo test test-upstream test-standalone lint docs clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest tests -q
+	bash tools/test_patched_upstream.sh $(PY)
+
+# The change written into the sdist of the installed lightning release, and this project's tests run against it.
+test-upstream: setup
+	bash tools/test_patched_upstream.sh $(PY)
 
 test-standalone: setup
 	bash tests/run_standalone_tests.sh

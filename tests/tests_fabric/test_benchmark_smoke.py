@@ -1,29 +1,25 @@
-"""The load benchmark (``benchmarks/bench_load.py``) runs end to end and reports sane numbers (not a timed test)."""
+"""The load benchmark (``benchmarks/bench_load``) runs end to end and reports sane numbers (not a timed test)."""
 
-import importlib.util
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from benchmarks.bench_load import checkpoints, cli
 from lightning.fabric import Fabric
 
 from lightning_fsdp import FSDPStrategy
 from tests.tests_fabric.helpers.distributed import run_distributed
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_load.py"
+# Tests of the package itself (its opt-in, CLI, docs, benchmark): `python -m lightning_fsdp.upstream` leaves them out.
+pytestmark = pytest.mark.package_only
 
-
-def _import_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_load", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_load"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+_ROOT = Path(__file__).resolve().parents[2]
+_PACKAGE = _ROOT / "benchmarks" / "bench_load"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sampler reads /proc")
@@ -31,7 +27,7 @@ def test_benchmark_smoke(tmp_path):
     output = tmp_path / "table.md"
     command = [
         sys.executable,
-        str(_SCRIPT),
+        str(_PACKAGE),
         "--size=tiny",
         "--ranks=2",
         "--formats=zip",
@@ -49,10 +45,12 @@ def test_benchmark_smoke(tmp_path):
     table = output.read_text()
     assert table in completed.stdout
     assert "| checkpoint | implementation | load time |" in table
+    assert "| storage read per node | read-call bytes per node | correct |" in table
     rows = [line for line in table.splitlines() if line.startswith("| raw state dict, torch zip file (")]
     assert len(rows) == 2
     assert "upstream" in rows[0]
     assert "lightning-fsdp" in rows[1]
+    assert all(" ‡ |" in row for row in rows)  # a warm cache: storage reads marked as not meaningful
     assert "Machine:" in table
     assert "Ratios, lightning-fsdp / upstream" in table
 
@@ -71,17 +69,26 @@ def test_benchmark_smoke(tmp_path):
         assert result["samples_in_load"] >= 1
         # The kernel's per-rank peaks bound every sample from above.
         assert result["peak_rss_sum_of_rank_peaks"] >= 0.98 * result["peak_rss_sampled"] > 0
+        assert result["page_cache_dropped"] is False
+        assert len(result["read_bytes_per_rank"]) == len(result["rchar_per_rank"]) == 2
+        assert result["read_bytes_per_node"] == [sum(result["read_bytes_per_rank"])]
+        assert result["rchar_per_node"] == [sum(result["rchar_per_rank"])]
+        assert min(result["read_bytes_per_rank"]) >= 0
+    # lightning-fsdp reads every byte of the model with positioned reads, each rank its own shard: the node reads the
+    # file about once. (Upstream memory-maps it: its tensors never pass through a read call.)
+    ours = report["results"][1]
+    assert ours["case"]["implementation"] == "ours"
+    assert report["files"]["zip"]["bytes"] * 0.9 < ours["rchar_per_node"][0] < report["files"]["zip"]["bytes"] * 3
 
 
 def _save_full_checkpoint(path: str) -> None:
-    bench = _import_benchmark()  # in this rank's process: a module cannot be sent to it
-    strategy = FSDPStrategy(auto_wrap_policy={bench.Block}, state_dict_type="full")
+    strategy = FSDPStrategy(auto_wrap_policy={checkpoints.Block}, state_dict_type="full")
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     with fabric.init_module(empty_init=True):
-        model = bench.Model(8, 2)
+        model = checkpoints.Model(8, 2)
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=bench.ADAM_LR))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=checkpoints.ADAM_LR))
     fabric.backward(model(torch.randn(2, 8)).sum())
     optimizer.step()
     fabric.save(path, {"model": model, "optimizer": optimizer})
@@ -99,10 +106,38 @@ def _structure(value: Any) -> Any:
 
 def test_full_checkpoint_is_built_like_fabric_save(tmp_path):
     """The benchmark writes its full checkpoint directly; it must have the layout that `fabric.save` gives."""
-    bench = _import_benchmark()
     path = tmp_path / "fabric.ckpt"
     run_distributed(_save_full_checkpoint, str(path), devices=2)
     saved = torch.load(path, weights_only=True)
-    _, param_names = bench._state_dict_layout(8, 2)
-    built = bench._full_checkpoint(bench._make_state_dict(8, 2), param_names)
+    _, param_names = checkpoints._state_dict_layout(8, 2)
+    built = checkpoints._full_checkpoint(checkpoints._make_state_dict(8, 2), param_names)
     assert _structure(built) == _structure(saved)
+
+
+def test_benchmark_runs_as_module():
+    """The README's other way to run it: ``python -m benchmarks.bench_load`` from the repository root."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_load", "--help"], cwd=_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "usage: bench_load" in completed.stdout
+    assert "--load-concurrency" in completed.stdout
+
+
+def test_legacy_fabric_checkpoint_is_also_loaded_as_a_trusted_file():
+    """The same file with ``weights_only=False``: read whole, in turns of k=1 and k=all ranks, upstream alongside."""
+    args = argparse.Namespace(
+        formats=["legacy-fabric"], implementations=["upstream", "ours"], load_concurrency=None, ranks=4, nodes=1
+    )
+    cases = cli._cases(args)
+    title = "Fabric checkpoint {'model': ...}, legacy pickle file"
+    trusted = f"{title}, `weights_only=False`"
+    upstream = [(c.title, c.weights_only) for c in cases if c.implementation == "upstream"]
+    assert upstream == [(title, True), (trusted, False)]
+    ours = [(c.title, c.label, c.weights_only) for c in cases if c.implementation == "ours"]
+    assert ours == [
+        (title, "lightning-fsdp, k=1", True),
+        (title, "lightning-fsdp, k=all (4)", True),
+        (trusted, "lightning-fsdp, k=1", False),
+        (trusted, "lightning-fsdp, k=all (4)", False),
+    ]

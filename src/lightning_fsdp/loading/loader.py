@@ -36,7 +36,7 @@ from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_c
 from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
-from lightning_fsdp.loading.validation import LoadPlan, Rename, TargetSpec, _names, check_whole_module, plan_load
+from lightning_fsdp.loading.validation import NamePlan, Rename, TargetSpec, _names, check_whole_module, plan_load
 from lightning_fsdp.materialize import init_record
 
 
@@ -93,7 +93,7 @@ class LoadResult:
 
 @dataclass
 class _Prepared:
-    plan: LoadPlan
+    plan: NamePlan
     optimizer_states: dict[str, dict]
     fallback_optimizers: set[str]
     written: frozenset[str] = frozenset()

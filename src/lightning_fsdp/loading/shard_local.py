@@ -24,7 +24,7 @@ from torch.nn import Module
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.sources import TensorSource
-from lightning_fsdp.loading.validation import LoadPlan, TargetSpec
+from lightning_fsdp.loading.validation import NamePlan, TargetSpec
 
 _FLAT_PARAM_ATTRIBUTES = ("_fqns", "_shapes", "_shard_param_infos", "_shared_param_infos")
 
@@ -244,7 +244,7 @@ def _same(flat: Tensor) -> Tensor:
 
 def copy_into_module(
     collected: ModuleTargets,
-    plan: LoadPlan,
+    plan: NamePlan,
     source: TensorSource,
     on_tensor: Callable[[int], None] | None = None,
 ) -> None:

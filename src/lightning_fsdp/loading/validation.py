@@ -45,7 +45,7 @@ class TargetSpec:
 
 
 @dataclass
-class LoadPlan:
+class NamePlan:
     """Which checkpoint tensor feeds which model tensor, and what was left out."""
 
     sources: dict[str, str] = field(default_factory=dict)
@@ -100,7 +100,7 @@ def plan_load(
     strict: bool,
     rename: Rename | None = None,
     ties: Mapping[str, Iterable[str]] | None = None,
-) -> LoadPlan:
+) -> NamePlan:
     """Match the checkpoint's tensors to the model's, or raise one error that lists every problem.
 
     The checkpoint's names are renamed first (see :func:`check_rename`); the plan still reads each tensor by its
@@ -158,9 +158,9 @@ def plan_load(
 
 def _match(
     targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], originals: Mapping[str, str]
-) -> tuple[LoadPlan, list[str], list[str]]:
+) -> tuple[NamePlan, list[str], list[str]]:
     """The plan for the checkpoint's tensors under new names (``originals``: new name -> name in the file)."""
-    plan = LoadPlan()
+    plan = NamePlan()
     expected_names: set[str] = set()
     shape_mismatches: list[str] = []
     dtype_mismatches: list[str] = []
@@ -185,7 +185,7 @@ def _match(
     return plan, shape_mismatches, dtype_mismatches
 
 
-def _untied_copies(targets: Sequence[TargetSpec], plan: LoadPlan, ties: Mapping[str, Iterable[str]]) -> dict[str, str]:
+def _untied_copies(targets: Sequence[TargetSpec], plan: NamePlan, ties: Mapping[str, Iterable[str]]) -> dict[str, str]:
     """Missing name -> the name of a tensor it is tied to that the checkpoint feeds, with the same shape and dtype."""
     shapes = {name: (target.shape, target.dtype) for target in targets for name in target.names}
     untied = {}
@@ -362,7 +362,7 @@ def _advice(
     targets: Sequence[TargetSpec],
     names: list[str],
     rename: Rename | None,
-    plan: LoadPlan,
+    plan: NamePlan,
     ambiguous: list[dict[str, str]],
 ) -> list[str]:
     """What would make this checkpoint load, as a ``rename`` value to pass."""
@@ -404,7 +404,7 @@ def _best_candidate(targets: Sequence[TargetSpec], names: list[str]) -> tuple[di
     return best, best_matched
 
 
-def _leaving_out(plan: LoadPlan) -> dict[str, str | None] | None:
+def _leaving_out(plan: NamePlan) -> dict[str, str | None] | None:
     """``plan.aligned`` plus the prefixes that leave out the unexpected tensors, if a few prefixes do so safely."""
     used = set(plan.sources.values())
     groups = dict.fromkeys(name.split(".", 1)[0] + "." if "." in name else name for name in plan.unexpected)

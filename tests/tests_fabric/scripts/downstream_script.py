@@ -3,6 +3,7 @@
 Usage: python downstream_script.py CHECKPOINT [--opt-in] [--opt-in-first]
 """
 
+# lightning-fsdp: package-only (it tests `lightning_fsdp.enable()`)
 import sys
 
 if "--opt-in-first" in sys.argv:

@@ -1,0 +1,166 @@
+"""The command line: parse the options, write the checkpoints, run every case, print and save the report."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import tempfile
+from pathlib import Path
+
+from . import __doc__ as _DESCRIPTION
+from .checkpoints import _TRUSTED_FORMATS, _TURN_FORMATS, FORMATS, PRESETS, write_checkpoints
+from .output import _gb, _log
+from .report import _machine, render
+from .runner import _BUSY_MACHINE, Case, run_case
+
+
+def _size(text: str) -> tuple[int, int, str]:
+    if text in PRESETS:
+        return (*PRESETS[text], text)
+    width, sep, depth = text.lower().partition("x")
+    if not sep or not width.isdigit() or not depth.isdigit():
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(PRESETS)} or WIDTHxDEPTH, got {text!r}")
+    return int(width), int(depth), f"{width}x{depth}"
+
+
+def _cases(args: argparse.Namespace) -> list[Case]:
+    import lightning
+
+    from lightning_fsdp import FSDPStrategy
+
+    has_concurrency = "load_concurrency" in inspect.signature(FSDPStrategy.__init__).parameters
+    try:
+        import safetensors  # noqa: F401
+
+        has_safetensors = True
+    except ImportError:
+        has_safetensors = False
+    per_node = args.ranks // args.nodes
+    cases = []
+    for fmt, weights_only in [(f, w) for f in args.formats for w in (True, False) if w or f in _TRUSTED_FORMATS]:
+        for impl in args.implementations:
+            if impl == "upstream":
+                reason = "n/a (upstream has no safetensors support)" if fmt == "safetensors" else None
+                cases.append(Case(fmt, impl, None, f"upstream {lightning.__version__}", reason, weights_only))
+                continue
+            ks = args.load_concurrency
+            if ks is None:
+                ks = ["1", "all"] if fmt in _TURN_FORMATS else []
+            variants: list[int | str | None] = [k if k in ("all", "auto") else int(k) for k in ks] or [None]
+            if not has_concurrency and None not in variants:
+                variants.append(None)
+            for k in variants:
+                label = "lightning-fsdp" + ("" if k is None else f", k={k}" + (f" ({per_node})" if k == "all" else ""))
+                reason = None
+                if k is not None and not has_concurrency:
+                    reason = "n/a (`load_concurrency` not available yet)"
+                if fmt == "safetensors" and not has_safetensors:
+                    reason = "n/a (safetensors is not installed)"
+                cases.append(Case(fmt, impl, k, label, reason, weights_only))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_load", description=_DESCRIPTION.splitlines()[0])
+    parser.add_argument(
+        "--size", type=_size, default="small", help=f"{', '.join(PRESETS)} or WIDTHxDEPTH (default: small)"
+    )
+    parser.add_argument("--ranks", type=int, default=4, help="total CPU ranks (default: 4)")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="simulated nodes on localhost")
+    parser.add_argument(
+        "--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)} (default: all)"
+    )
+    parser.add_argument("--implementations", default="upstream,ours", help="comma-separated: upstream, ours")
+    parser.add_argument(
+        "--load-concurrency",
+        default=None,
+        help="comma-separated k values for lightning-fsdp (int, 'all', 'auto'); default: 1,all for the legacy"
+        " format, the strategy's default otherwise",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "lightning_fsdp_bench",
+        help="checkpoints, logs, results (default: %(default)s)",
+    )
+    parser.add_argument("--output", type=Path, default=None, help="also write the Markdown table to this file")
+    parser.add_argument("--json", type=Path, default=None, help="all numbers (default: WORKDIR/results.json)")
+    parser.add_argument("--cache", choices=("cold", "warm"), default="cold", help="page cache before each load")
+    parser.add_argument("--interval", type=float, default=10.0, help="sampling interval in ms (default: 10)")
+    parser.add_argument("--settle", type=float, default=None, help="seconds the ranks idle before and after a load")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is killed")
+    parser.add_argument("--rewrite", action="store_true", help="rewrite the checkpoints even if they exist")
+    parser.add_argument(
+        "--retry-busy",
+        type=int,
+        default=1,
+        help=f"run a load again (up to this many times) when other processes used over {_BUSY_MACHINE} cores during"
+        " it, and keep the quietest run (default: 1)",
+    )
+    args = parser.parse_args(argv)
+
+    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    args.implementations = [i.strip() for i in args.implementations.split(",") if i.strip()]
+    if args.load_concurrency is not None:
+        args.load_concurrency = [k.strip() for k in args.load_concurrency.split(",") if k.strip()]
+        if bad := [k for k in args.load_concurrency if not (k.isdigit() and int(k) > 0) and k not in ("all", "auto")]:
+            parser.error(f"--load-concurrency takes positive integers, 'all' and 'auto', got {bad}")
+    if unknown := set(args.formats) - set(FORMATS):
+        parser.error(f"unknown formats {sorted(unknown)}")
+    if unknown := set(args.implementations) - {"upstream", "ours"}:
+        parser.error(f"unknown implementations {sorted(unknown)}")
+    if args.ranks % args.nodes:
+        parser.error("--ranks must be a multiple of --nodes")
+    width, depth, size_label = args.size
+    if args.settle is None:
+        args.settle = 0.3 if width * depth < 4096 else 1.0
+
+    machine = _machine(args.workdir)
+    meta = write_checkpoints(args.workdir, width, depth, args.formats, args.rewrite)
+    cases = _cases(args)
+    results = []
+    for index, case in enumerate(cases, 1):
+        if case.unavailable:
+            _log(f"[{index}/{len(cases)}] {case.title} / {case.label}: {case.unavailable}")
+            results.append((case, {}))
+            continue
+        _log(f"[{index}/{len(cases)}] {case.title} / {case.label} ...")
+        trusted = "" if case.weights_only else "-trusted"
+        run_dir = args.workdir / "runs" / f"{case.format}{trusted}-{case.implementation}-k{case.load_concurrency}"
+        result = run_case(args, meta, case, run_dir)
+        for _ in range(args.retry_busy):
+            if result.get("other_cpu_cores", 0.0) <= _BUSY_MACHINE:
+                break
+            _log(f"    other processes used {result['other_cpu_cores']:.2f} cores during the load: once more")
+            again = run_case(args, meta, case, run_dir)
+            if "error" not in again and again.get("other_cpu_cores", 0.0) < result["other_cpu_cores"]:
+                result = again
+        if "error" not in result:
+            _log(
+                f"    {result['load_seconds']:.2f} s, peak PSS {_gb(result['peak_pss'])}"
+                f" (base {_gb(result['base_pss'])}), peak anonymous {_gb(result['peak_anon'])},"
+                f" correct: {result['correct']}"
+            )
+        results.append((case, result))
+
+    table = render(args, meta, machine, results, size_label)
+    print(table)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(table)
+    json_path = args.json or args.workdir / "results.json"
+    json_path.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "size": size_label,
+                "ranks": args.ranks,
+                "nodes": args.nodes,
+                "files": meta["files"],
+                "results": [{"case": vars(case), **result} for case, result in results],
+            },
+            indent=1,
+        )
+    )
+    return 0

@@ -1,0 +1,275 @@
+"""One measured load: fresh rank processes under the sampler, and what their memory and results say."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import FORMAT_TITLES
+from .output import _log
+from .sampler import Sampler, _PssReading, _write_proc
+
+_BUSY_MACHINE = 0.25  # cores used by other processes during a load above which its time is marked
+
+
+@dataclass
+class Case:
+    format: str
+    implementation: str  # "upstream" or "ours"
+    load_concurrency: int | str | None = None
+    label: str = ""
+    unavailable: str | None = None
+    weights_only: bool = True
+
+    @property
+    def title(self) -> str:
+        """The checkpoint and how it is unpickled, as the tables name it."""
+        return FORMAT_TITLES[self.format] + ("" if self.weights_only else ", `weights_only=False`")
+
+    @property
+    def key(self) -> tuple[str, bool, str, int | str | None]:
+        return self.format, self.weights_only, self.implementation, self.load_concurrency
+
+
+def _drop_page_cache() -> bool:
+    os.sync()
+    return _write_proc("/proc/sys/vm/drop_caches", "1\n")
+
+
+def _warm_page_cache(path: Path) -> None:
+    with open(path, "rb") as file:
+        while file.read(64 * 2**20):
+            pass
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_case(args: argparse.Namespace, meta: dict[str, Any], case: Case, run_dir: Path) -> dict[str, Any]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob("rank-*.json"):
+        stale.unlink()
+    per_node = args.ranks // args.nodes
+    k = case.load_concurrency
+    cfg = {
+        "implementation": case.implementation,
+        "format": case.format,
+        "path": meta["files"][case.format]["path"],
+        "width": meta["config"]["width"],
+        "depth": meta["config"]["depth"],
+        "key_order": meta["key_order"],
+        "ranks_per_node": per_node,
+        "nodes": args.nodes,
+        "settle": args.settle,
+        "run_dir": str(run_dir),
+        "load_concurrency": per_node if k == "all" else k,
+        "weights_only": case.weights_only,
+    }
+    cfg_path = run_dir / "config.json"
+    cfg_path.write_text(json.dumps(cfg))
+
+    cache = "warm"
+    if args.cache == "cold":
+        cache = "cold" if _drop_page_cache() else "warm (could not drop the page cache)"
+    if cache != "cold":
+        _warm_page_cache(Path(cfg["path"]))
+
+    port = _free_port()
+    threads = max(1, (os.cpu_count() or 1) // per_node)
+    processes, node_of = [], []
+    for rank in range(args.ranks):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "NODE_RANK": str(rank // per_node),
+            "LOCAL_RANK": str(rank % per_node),
+            "WORLD_SIZE": str(args.ranks),
+            "OMP_NUM_THREADS": str(threads),  # what torchrun sets: cores divided among the node's ranks
+            "PYTHONWARNINGS": "ignore",
+        }
+        log = open(run_dir / f"rank-{rank}.log", "w")  # noqa: SIM115 (closed below)
+        command = [sys.executable, str(Path(__file__).resolve().parent), "--_worker", str(cfg_path)]
+        processes.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        node_of.append(rank // per_node)
+    sampler = Sampler([p.pid for p, _ in processes], interval=args.interval / 1000).start()
+
+    deadline = time.monotonic() + args.timeout
+    failed_at = None
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p, _ in processes]
+        if all(code is not None for code in codes):
+            break
+        if failed_at is None and any(code not in (None, 0) for code in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > 10:
+            break  # the other ranks wait in a collective that will never complete
+        time.sleep(0.05)
+    timed_out = any(p.poll() is None for p, _ in processes) and failed_at is None
+    for process, log in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        log.close()
+    sampler.stop()
+
+    ranks = []
+    for rank in range(args.ranks):
+        path = run_dir / f"rank-{rank}.json"
+        ranks.append(json.loads(path.read_text()) if path.is_file() else {"rank": rank, "phase": "?"})
+    result: dict[str, Any] = {
+        "cache": cache,
+        "page_cache_dropped": cache == "cold",
+        "ranks_per_node": per_node,
+        "threads_per_rank": threads,
+    }
+    errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if "error" in r]
+    if errors or timed_out or any(r.get("phase") != "done" for r in ranks):
+        phase = next((r["phase"] for r in ranks if "error" in r), ranks[0].get("phase"))
+        reason = errors[0] if errors else ("timed out" if timed_out else "a rank exited without a result")
+        result["error"] = f"failed during {phase}: {reason}"
+        result["logs"] = str(run_dir)
+        _log(f"    {result['error']} (logs in {run_dir})")
+        return result
+    result.update(_measure(sampler, node_of, ranks, meta, case))
+    return result
+
+
+def _measure(
+    sampler: Sampler, node_of: list[int], ranks: list[dict[str, Any]], meta: dict[str, Any], case: Case
+) -> dict[str, Any]:
+    series = sampler.series(node_of)
+
+    def window(start: float, end: float) -> list[dict[str, Any]]:
+        inside = [s for s in series if start <= s["t"] <= end]
+        if inside:
+            return inside
+        # A window shorter than the sampling interval: the nearest tick on each side.
+        before = [s for s in series if s["t"] < start][-1:]
+        after = [s for s in series if s["t"] > end][:1]
+        return before + after
+
+    base_start = max(r["t_base_start"] for r in ranks)
+    base_end = min(r["t_base_end"] for r in ranks)
+    load_start = min(r["t_load_start"] for r in ranks)
+    load_end = max(r["t_load_end"] for r in ranks)
+    after_start = load_end + 0.3 * (min(r["t_after_end"] for r in ranks) - load_end)
+    after_end = min(r["t_after_end"] for r in ranks)
+    base = window(base_start + 0.3 * (base_end - base_start), base_end)
+    load = window(load_start, load_end)
+    after = window(after_start, after_end)
+
+    def median(samples: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(s[key] for s in samples)
+
+    def peak(key: str) -> float:
+        return max(s[key] for s in load)
+
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(load)]
+    out: dict[str, Any] = {
+        "load_seconds": max(r["load_seconds"] for r in ranks),
+        "base_pss": median(base, "pss"),
+        "base_anon": median(base, "anon"),
+        "base_file": median(base, "file"),
+        "peak_pss": peak("pss"),
+        "peak_anon": peak("anon"),
+        "peak_file": peak("file"),
+        "peak_shmem": peak("shmem"),
+        "after_pss": median(after, "pss"),
+        "page_cache_growth": max(0.0, peak("cached") - median(base, "cached")),
+        "peak_node_anon": max(max(s["node_anon"].values()) for s in load),
+        "peak_node_file": max(max(s["node_file"].values()) for s in load),
+        "samples_in_load": len(load),
+        "max_sample_gap_ms": 1000 * max(gaps, default=0.0),
+        "gaps_over_20ms": sum(gap > 0.020 for gap in gaps),
+        "peak_rss_sampled": peak("rss"),
+    }
+    # What sampling can have missed: the kernel's per-rank RSS peaks, summed, bound the peak of the ranks' total RSS
+    # from above (tightly when the ranks peak together, loosely when they take turns).
+    if all(r.get("peak_rss_reset") for r in ranks):
+        out["peak_rss_sum_of_rank_peaks"] = sum(r["peak_rss"] for r in ranks)
+    # How busy the machine was with other work during the load (a shared machine makes times noisy).
+    first, last = load[0], load[-1]
+    span = last["t"] - first["t"]
+    if span > 0:
+        others = (last["busy_cpu"] - first["busy_cpu"]) - (last["ranks_cpu"] - first["ranks_cpu"])
+        others -= last["own_cpu"] - first["own_cpu"]
+        out["other_cpu_cores"] = max(0.0, others / span)
+        out["ranks_cpu_cores"] = (last["ranks_cpu"] - first["ranks_cpu"]) / span
+    out["above_base"] = out["peak_pss"] - out["base_pss"]
+    out["file_above_base"] = out["peak_file"] - out["base_file"]
+
+    # How good the fast series is: anonymous memory of status vs smaps_rollup, and how often PSS was read.
+    readings = [r for per_rank in sampler.readings for r in per_rank]
+    if readings:
+        # `Pss_Anon` against `RssAnon`, in the readings taken while anonymous memory stood still (the page-table walk
+        # takes tens of milliseconds, and a tensor allocated and freed meanwhile is counted by one and not the other).
+        steady = [r for r in readings if abs(r.rss_anon[0] - r.rss_anon[1]) <= 1024 + r.rss_anon[0] // 1000]
+        out["steady_anon_readings"] = len(steady)
+        out["max_anon_mismatch"] = 1024 * max(
+            (max(0, min(r.rss_anon) - r.pss_anon, r.pss_anon - max(r.rss_anon)) for r in steady), default=0
+        )
+        intervals = [b.t - a.t for per_rank in sampler.readings for a, b in itertools.pairwise(per_rank)]
+        out["pss_interval_ms"] = 1000 * statistics.median(intervals) if intervals else None
+        # The peak of the exact PSS readings (each rank's latest one, summed), as a cross-check of the estimate.
+        latest: dict[int, _PssReading] = {}
+        merged = sorted((r.t, i, r) for i, per_rank in enumerate(sampler.readings) for r in per_rank)
+        exact_peak_file = 0.0
+        for t, i, reading in merged:
+            latest[i] = reading
+            if load_start <= t <= load_end and len(latest) == len(sampler.readings):
+                exact_peak_file = max(exact_peak_file, sum(r.pss_file for r in latest.values()) * 1024)
+        out["peak_file_exact_readings"] = exact_peak_file
+
+    out.update(_reads(ranks, node_of))
+    out.update(_correctness(ranks, meta, case))
+    return out
+
+
+def _reads(ranks: list[dict[str, Any]], node_of: list[int]) -> dict[str, Any]:
+    """What the ranks read during the load (``/proc/<pid>/io``), per rank and summed per node, in bytes."""
+    if not all("io" in r for r in ranks):
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("read_bytes", "rchar"):
+        per_rank = [r["io"][key] for r in ranks]
+        per_node = [0] * (max(node_of) + 1)
+        for node, value in zip(node_of, per_rank, strict=True):
+            per_node[node] += value
+        out[f"{key}_per_rank"] = per_rank
+        out[f"{key}_per_node"] = per_node
+    return out
+
+
+def _correctness(ranks: list[dict[str, Any]], meta: dict[str, Any], case: Case) -> dict[str, Any]:
+    got = {name: value for r in ranks for name, value in r.get("checksums", {}).items()}
+    wrong = []
+    for name, (total, weighted, scale) in meta["checksums"].items():
+        value = got.get(name)
+        tolerance = 1e-9 * scale + 1e-12
+        if value is None or abs(value[0] - total) > tolerance or abs(value[1] - weighted) > tolerance:
+            wrong.append(name)
+    problems = [p for r in ranks for p in r.get("optimizer_problems", [])]
+    checked = sum(r.get("optimizer_checked", 0) for r in ranks)
+    ok = not wrong and not problems and (case.format != "full" or checked > 0)
+    detail = []
+    if wrong:
+        detail.append(f"{len(wrong)} of {len(meta['checksums'])} parameters differ (e.g. {wrong[0]})")
+    if problems:
+        detail.append(f"optimizer state differs ({problems[0]})")
+    if case.format == "full" and not checked:
+        detail.append("no optimizer state was loaded")
+    return {"correct": ok, "correct_detail": "; ".join(detail)}

@@ -1,0 +1,205 @@
+"""The rank process: set up Fabric and the model, load with this project or upstream, and check every shard."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoints import ADAM_LR, ADAM_STEP, Block, Model, _checksum
+from .sampler import _read_fields, _read_io, _write_proc
+
+
+def _upstream_strategy_class() -> type:
+    """Upstream's ``FSDPStrategy`` with the smallest change that lets it run on CPU.
+
+    Upstream wraps with ``device_id=self.root_device.index``, which is ``None`` on CPU, and FSDP then looks for a CUDA
+    device. This subclass passes the CPU device instead. Everything else, ``load_checkpoint`` in particular (what is
+    measured), is upstream's, untouched. (Upstream's ``Fabric`` refuses ``FSDPStrategy`` on CPU only for the class
+    itself, not for subclasses.)
+    """
+    from lightning.fabric.strategies import FSDPStrategy
+
+    class UpstreamFSDPStrategyOnCPU(FSDPStrategy):
+        def setup_module(self, module: nn.Module) -> nn.Module:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            return FullyShardedDataParallel(
+                module=module,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=self.root_device,
+                **self._fsdp_kwargs,
+            )
+
+    return UpstreamFSDPStrategyOnCPU
+
+
+def _make_strategy(cfg: dict[str, Any]) -> Any:
+    if cfg["implementation"] == "upstream":
+        return _upstream_strategy_class()(auto_wrap_policy={Block})
+    from lightning_fsdp import FSDPStrategy
+
+    kwargs = {} if cfg["load_concurrency"] is None else {"load_concurrency": cfg["load_concurrency"]}
+    return FSDPStrategy(auto_wrap_policy={Block}, **kwargs)
+
+
+def _load(cfg: dict[str, Any], fabric: Any, model: nn.Module, optimizer: Any) -> None:
+    """The call under measurement: each implementation's best public way to load this format."""
+    path = Path(cfg["path"])
+    state = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
+    trusted = {} if cfg["weights_only"] else {"weights_only": False}
+    if cfg["implementation"] != "upstream" or cfg["format"] == "full":
+        fabric.load(path, state, **trusted)
+    elif cfg["format"] == "zip":
+        fabric.load_raw(path, model)
+    elif cfg["format"] in ("legacy", "legacy-fabric"):
+        # Upstream's `load_raw` reads with `torch.load(mmap=True)`, which refuses legacy pickles. What a user can do
+        # instead: `torch.load` on every rank, then what `load_raw` does with the state dict (upstream's own function).
+        from lightning.fabric.strategies.model_parallel import _load_raw_module_state
+        from lightning.fabric.wrappers import _unwrap_objects
+
+        state_dict = torch.load(path, map_location="cpu", weights_only=cfg["weights_only"])
+        if cfg["format"] == "legacy-fabric":
+            state_dict = state_dict["model"]
+        _load_raw_module_state(state_dict, module=_unwrap_objects(model), world_size=fabric.world_size)
+        del state_dict
+    else:
+        raise ValueError(f"upstream cannot load the {cfg['format']!r} format")
+
+
+def _own_parameters(unit: nn.Module) -> dict[str, torch.Tensor]:
+    """The original parameters that this FSDP unit manages (not those of nested units), by their name in the unit."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    found: dict[str, torch.Tensor] = {}
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            if name != "_flat_param":
+                found[prefix + name] = param
+        for name, child in module.named_children():
+            if not isinstance(child, FullyShardedDataParallel):
+                visit(child, f"{prefix}{name}.")
+
+    visit(unit, "")
+    return found
+
+
+def _clean_name(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def _verify(cfg: dict[str, Any], fabric: Any, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """Checksums of the loaded parameters (this rank's share of them) and an exact check of the local Adam state.
+
+    Each FSDP unit is unsharded alone (``summon_full_params(unit, recurse=False)``), so the check costs one unit per
+    rank, not the model.
+
+    """
+    from lightning.fabric.wrappers import _unwrap_objects
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    root = _unwrap_objects(model)
+    order = {name: index for index, name in enumerate(cfg["key_order"])}
+    checksums: dict[str, tuple[float, float, float]] = {}
+    for unit_name, unit in root.named_modules():
+        if not isinstance(unit, FullyShardedDataParallel):
+            continue
+        with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
+            for name, param in _own_parameters(unit).items():
+                full_name = _clean_name(f"{unit_name}.{name}" if unit_name else name)
+                if order.get(full_name, -1) % fabric.world_size == fabric.global_rank:
+                    checksums[full_name] = _checksum(param)
+    result: dict[str, Any] = {"checksums": checksums}
+    if optimizer is not None:
+        optimizer = _unwrap_objects(optimizer)
+        checked, problems = 0, []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.numel() == 0:
+                    continue
+                state = optimizer.state.get(param, {})
+                local = param.detach().reshape(-1)
+                expected = {"exp_avg": local * 0.5, "exp_avg_sq": local * local}
+                for key, value in expected.items():
+                    if key not in state or not torch.equal(state[key].reshape(-1), value):
+                        problems.append(f"{key} of a parameter of {tuple(param.shape)}")
+                if "step" not in state or float(state["step"]) != ADAM_STEP:
+                    problems.append("step")
+                checked += 1
+        result["optimizer_checked"] = checked
+        result["optimizer_problems"] = problems[:5]
+    return result
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark of this process's RSS (``VmHWM``) to its current RSS."""
+    return _write_proc("/proc/self/clear_refs", "5")
+
+
+def run_worker(cfg_path: str) -> int:
+    cfg = json.loads(Path(cfg_path).read_text())
+    rank = int(os.environ["NODE_RANK"]) * cfg["ranks_per_node"] + int(os.environ["LOCAL_RANK"])
+    out = Path(cfg["run_dir"]) / f"rank-{rank}.json"
+    result: dict[str, Any] = {"rank": rank, "phase": "setup"}
+    try:
+        from lightning.fabric import Fabric
+
+        fabric = Fabric(
+            accelerator="cpu",
+            devices=cfg["ranks_per_node"],
+            num_nodes=cfg["nodes"],
+            strategy=_make_strategy(cfg),
+        )
+        fabric.launch()
+        with fabric.init_module(empty_init=True):
+            model = Model(cfg["width"], cfg["depth"])
+        model = fabric.setup_module(model)
+        optimizer = None
+        if cfg["format"] == "full":
+            optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=ADAM_LR))
+        gc.collect()
+        fabric.barrier()
+        result["t_base_start"] = time.monotonic()
+        time.sleep(cfg["settle"])
+        fabric.barrier()
+        result["t_base_end"] = time.monotonic()
+
+        result["phase"] = "load"
+        fabric.barrier()
+        result["peak_rss_reset"] = _reset_peak_rss()
+        io_before = _read_io()
+        result["t_load_start"] = start = time.monotonic()
+        _load(cfg, fabric, model, optimizer)
+        fabric.barrier()
+        result["t_load_end"] = end = time.monotonic()
+        io_after = _read_io()
+        if io_before and io_after:
+            result["io"] = {key: io_after[key] - io_before[key] for key in io_before}
+        result["load_seconds"] = end - start
+        result["peak_rss"] = 1024 * (_read_fields("/proc/self/status", ("VmHWM",)) or {}).get("VmHWM", 0)
+
+        result["phase"] = "after load"
+        time.sleep(cfg["settle"])
+        fabric.barrier()
+        result["t_after_end"] = time.monotonic()
+        result["phase"] = "verify"
+        result.update(_verify(cfg, fabric, model, optimizer))
+        fabric.barrier()
+        result["phase"] = "done"
+    except BaseException as error:
+        result["error"] = f"{type(error).__name__}: {error}"
+        result["traceback"] = traceback.format_exc()
+        out.write_text(json.dumps(result))
+        raise
+    out.write_text(json.dumps(result))
+    return 0

@@ -1,0 +1,521 @@
+# Copyright The lightning-fsdp developers.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""What goes where in a Lightning source tree, the check that the tree is the supported release, and the writing."""
+
+import ast
+import difflib
+import importlib
+import os
+import re
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+
+import lightning_fsdp
+from lightning_fsdp.upstream._merge import drop_unused_imports, merge_module, upstream_base
+from lightning_fsdp.upstream._rewrite import (
+    NameMap,
+    drop_package_only,
+    module_is_package_only,
+    rewrite_prose,
+    rewrite_python,
+)
+from lightning_fsdp.upstream._source import Edit, Source, UpstreamError, apply_edits, docstring_node, indentation
+
+PACKAGE_DIR = Path(lightning_fsdp.__file__).parent
+#: This project's checkout, where the tests and the docs are (absent when the package was installed from a wheel).
+PROJECT_DIR = PACKAGE_DIR.parent.parent
+
+#: Where the loading package goes: beside ``utilities/load.py``, as a package of its own.
+LOADING_MODULE = "lightning.fabric.utilities.checkpoint_loading"
+#: Our modules that are merged, module-level only, into an upstream module (the device checks are not FSDP-specific).
+MERGED_MODULES = {
+    "devices": "lightning.fabric.strategies.parallel",
+    # What both strategies do around the loader; ``model_parallel.py`` imports from ``fsdp.py`` already.
+    "loading_calls": "lightning.fabric.strategies.fsdp",
+}
+#: Our modules that do not go upstream, and why.
+NOT_CARRIED = {
+    "__init__": "the package's public names; upstream exports them from their new modules",
+    "__about__": "the package's version; upstream pins its own requirements",
+    "_versions": "the import-time version check; upstream pins its own requirements",
+    "opt_in": "`lightning_fsdp.enable()`: once the strategy is upstream, unmodified scripts get it",
+    "cli": "the `lightning-fsdp` command: a maintainer would add `inspect` and `convert` to `fabric`'s CLI by hand",
+    "upstream": "this command",
+}
+#: Where this project's ``tests/tests_fabric/`` goes (its own conftest and helpers come along).
+TESTS_DIR = "tests/tests_fabric/utilities/checkpoint_loading"
+TESTS_MODULE = "tests_fabric.utilities.checkpoint_loading"
+#: Where the guide's pages go, beside ``checkpoint.rst`` and ``distributed_checkpoint.rst``; its examples below.
+GUIDE_DIR = "docs/source-fabric/guide/checkpoint"
+EXAMPLES_DIR = "docs/source-fabric/guide/checkpoint/examples"
+CHANGELOG = "src/lightning/fabric/CHANGELOG.md"
+CONNECTOR = "src/lightning/fabric/connector.py"
+#: The entries this change adds to ``src/lightning/fabric/CHANGELOG.md``, by section.
+CHANGELOG_ENTRIES = {
+    "Added": [
+        "Added support for loading raw module state dicts, safetensors files and Hugging Face sharded checkpoints with"
+        " `FSDPStrategy.load_checkpoint` (`fabric.load`, `fabric.load_raw`), shard-locally: each rank reads only the"
+        " bytes of its own shard, checked against the file's own structure",
+        "Added the `load_concurrency` and `load_progress` arguments to `FSDPStrategy`",
+        "Added support for running `FSDPStrategy` on CPU with the `gloo` backend",
+    ],
+    "Fixed": [
+        "Fixed `FSDPStrategy` putting tensors of every rank on `cuda:0` when the cluster environment is inconsistent;"
+        " it now refuses with an error that names the values it read",
+    ],
+}
+_LITERALINCLUDE = re.compile(r"^(\s*\.\. literalinclude:: )(\S+)", re.MULTILINE)
+
+
+@dataclass
+class Change:
+    """One file the command writes, relative to the tree's root, with its old and new text."""
+
+    path: str
+    old: str | None
+    new: str
+    source: str  # what in this project it comes from
+
+    def counts(self) -> tuple[int, int]:
+        added = removed = 0
+        for line in difflib.unified_diff((self.old or "").splitlines(), self.new.splitlines(), lineterm="", n=0):
+            if line.startswith("+") and not line.startswith("+++"):
+                added += 1
+            elif line.startswith("-") and not line.startswith("---"):
+                removed += 1
+        return added, removed
+
+
+@dataclass
+class Plan:
+    """Everything the command would write, and what it leaves for a maintainer."""
+
+    root: Path
+    found_version: str
+    changes: list[Change] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """A ``git diff --stat`` style summary."""
+        rows = [(change.path, *change.counts()) for change in sorted(self.changes, key=lambda change: change.path)]
+        width = max((len(path) for path, _, _ in rows), default=0)
+        total_added = sum(added for _, added, _ in rows)
+        total_removed = sum(removed for _, _, removed in rows)
+        largest = max((added + removed for _, added, removed in rows), default=1) or 1
+        scale = min(1.0, 60 / largest)
+        lines = []
+        for path, added, removed in rows:
+            bar = "+" * max(int(added * scale), 1 if added else 0) + "-" * max(
+                int(removed * scale), 1 if removed else 0
+            )
+            lines.append(f" {path:<{width}} | {added + removed:>5} {bar}")
+        lines.append(
+            f" {len(rows)} files changed, {total_added} insertions(+), {total_removed} deletions(-)"
+            f" (into lightning {self.found_version} at {self.root})"
+        )
+        return "\n".join(lines)
+
+    def write(self) -> None:
+        for change in self.changes:
+            path = self.root / change.path
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(change.new)
+
+
+def find_root(tree: Path) -> Path:
+    """The root of a Lightning checkout or sdist (holding ``src/lightning/fabric``), given it or its ``src/``."""
+    for candidate in (tree, tree.parent if tree.name == "src" else None):
+        if candidate is not None and (candidate / "src" / "lightning" / "fabric" / "strategies" / "fsdp.py").is_file():
+            return candidate
+    raise UpstreamError(
+        f"{tree} is not a Lightning source tree: `src/lightning/fabric/strategies/fsdp.py` is missing. Pass the root of"
+        " a git checkout of Lightning-AI/pytorch-lightning or of an unpacked sdist"
+        " (`pip download --no-binary :all: --no-deps lightning==X.Y.Z`)."
+    )
+
+
+def tree_version(root: Path) -> str:
+    for candidate in ("src/version.info", "src/lightning/version.info"):
+        if (root / candidate).is_file():
+            return (root / candidate).read_text().strip()
+    return "of unknown version"
+
+
+def plan(tree: Path) -> Plan:
+    """Compute every file the command writes into ``tree``; raise :class:`UpstreamError` before writing anything."""
+    root = find_root(tree)
+    result = Plan(root, tree_version(root))
+    ours = _our_modules()
+    targets = _targets(ours)
+    _check_supported(root, result.found_version, sorted({*targets.values(), "lightning.fabric.connector"}))
+    names = _name_map(root, ours, targets)
+    # Module-level merges first, so that a class merged into the same module finds their helpers there.
+    merged: dict[str, Change] = {}
+    for name in sorted(targets, key=lambda name: (name not in MERGED_MODULES, name)):
+        path = _module_path(targets[name])
+        if path not in merged:
+            original = _read(root / path)
+            merged[path] = Change(path, original, original, name)
+        else:
+            merged[path].source += f", {name}"
+        rewritten = rewrite_python(ours[name].read_text(), names, _ours_path(ours[name]))
+        result.notes.extend(rewritten.notes)
+        ours_source = Source(rewritten.text, _ours_path(ours[name]))
+        merged[path].new = merge_module(Source(merged[path].new, path), targets[name], ours_source)
+    for change in merged.values():
+        change.new = drop_unused_imports(change.old or "", change.new, change.path)
+    result.changes.extend(merged.values())
+    loading_dir = PACKAGE_DIR / "loading"
+    cycle = set(targets.values())
+    for file in sorted(loading_dir.rglob("*.py")):
+        relative = file.relative_to(loading_dir).as_posix()
+        rewritten = rewrite_python(file.read_text(), names, _ours_path(file))
+        result.notes.extend(rewritten.notes)
+        text = _localize_imports(Source(rewritten.text, relative), cycle)
+        path = f"{_module_path(LOADING_MODULE, package=True)}/{relative}"
+        result.changes.append(Change(path, _read_optional(root / path), text, _ours_path(file)))
+    connector = _read(root / CONNECTOR)
+    allowed = drop_unused_imports(connector, _allow_cpu(Source(connector, CONNECTOR)), CONNECTOR)
+    result.changes.append(Change(CONNECTOR, connector, allowed, "strategy (CPU)"))
+    changelog = _read(root / CHANGELOG)
+    result.changes.append(Change(CHANGELOG, changelog, _changelog(changelog), "CHANGELOG.md"))
+    _carry_tests(root, names, result)
+    _carry_docs(root, names, result)
+    result.notes.extend(f"not carried: src/lightning_fsdp/{name}: {why}" for name, why in _not_carried(ours).items())
+    return result
+
+
+def _our_modules() -> dict[str, Path]:
+    """Our top-level modules (``strategy``, ``devices``, ...) outside the loading package."""
+    modules = {path.stem: path for path in PACKAGE_DIR.glob("*.py")}
+    modules.update({path.name: path for path in PACKAGE_DIR.iterdir() if (path / "__init__.py").is_file()})
+    return modules
+
+
+def _targets(ours: dict[str, Path]) -> dict[str, str]:
+    """Each of our modules that is merged into an upstream module, with that module."""
+    targets = {}
+    for name, path in ours.items():
+        if name in NOT_CARRIED or name == "loading":
+            continue
+        if name in MERGED_MODULES:
+            targets[name] = MERGED_MODULES[name]
+            continue
+        base = upstream_base(path.read_text(), _ours_path(path)) if path.is_file() else None
+        if base is None:
+            raise UpstreamError(
+                f"`{_ours_path(path)}` has no upstream destination: it neither subclasses an upstream class nor is"
+                " listed in `lightning_fsdp.upstream._apply` (`MERGED_MODULES`, `NOT_CARRIED`). Add it there, and"
+                " to the map in docs/source-fabric/upstream.rst."
+            )
+        targets[name] = base[0]
+    return targets
+
+
+def _not_carried(ours: dict[str, Path]) -> dict[str, str]:
+    return {
+        f"{name}.py" if ours[name].is_file() else f"{name}/": why for name, why in NOT_CARRIED.items() if name in ours
+    }
+
+
+def _module_path(module: str, package: bool = False) -> str:
+    return "src/" + module.replace(".", "/") + ("" if package else ".py")
+
+
+def _ours_path(path: Path) -> str:
+    return path.relative_to(PACKAGE_DIR.parent.parent).as_posix() if path.is_relative_to(PROJECT_DIR) else str(path)
+
+
+def _read(path: Path) -> str:
+    if not path.is_file():
+        raise UpstreamError(f"{path} is missing: the tree does not look like the supported Lightning release.")
+    return path.read_text()
+
+
+def _read_optional(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None
+
+
+def _name_map(root: Path, ours: dict[str, Path], targets: dict[str, str]) -> NameMap:
+    modules = {f"lightning_fsdp.{name}": module for name, module in targets.items()}
+    modules["lightning_fsdp.loading"] = LOADING_MODULE
+    modules["tests.tests_fabric"] = TESTS_MODULE
+    exported_by_strategies = {
+        alias.asname or alias.name
+        for node in ast.parse(_read(root / "src/lightning/fabric/strategies/__init__.py")).body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    exports: dict[str, str] = {}
+    for node in ast.parse((PACKAGE_DIR / "__init__.py").read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_fsdp."):
+            for alias in node.names:
+                exported = alias.asname or alias.name
+                name = node.module.split(".")[1]
+                if (
+                    name in targets
+                    and upstream_base(ours[name].read_text(), name)
+                    and exported in exported_by_strategies
+                ):
+                    exports[f"lightning_fsdp.{exported}"] = f"lightning.fabric.strategies.{exported}"
+                elif any(node.module == ours_ or node.module.startswith(ours_ + ".") for ours_ in modules):
+                    mapped = NameMap(modules, {}).map(f"{node.module}.{alias.name}")
+                    if mapped is not None:
+                        exports[f"lightning_fsdp.{exported}"] = mapped
+    if "strategy" in targets:
+        exports["lightning_fsdp"] = targets["strategy"]
+    known = {
+        f"lightning_fsdp.{path.relative_to(PACKAGE_DIR).with_suffix('').as_posix().replace('/', '.')}"
+        for path in PACKAGE_DIR.rglob("*.py")
+    }
+    known = {name.removesuffix(".__init__") for name in known} | {"lightning_fsdp"}
+    tests_dir = PROJECT_DIR / "tests" / "tests_fabric"
+    if tests_dir.is_dir():
+        known |= {
+            "tests.tests_fabric." + path.relative_to(tests_dir).with_suffix("").as_posix().replace("/", ".")
+            for path in tests_dir.rglob("*.py")
+        }
+        known = {name.removesuffix(".__init__") for name in known} | {"tests.tests_fabric"}
+    return NameMap(modules, exports, known)
+
+
+def _definitions(text: str) -> dict[str, str]:
+    """Each top-level statement and class member of a module, keyed by name, as a syntax-tree dump."""
+    definitions = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.ClassDef):
+            definitions[f"class {node.name}"] = ast.dump(ast.ClassDef(**{**node.__dict__, "body": []}))
+            for member in node.body:
+                key = member.name if isinstance(member, ast.FunctionDef) else ast.unparse(member)[:60]
+                definitions[f"{node.name}.{key}"] = definitions.get(f"{node.name}.{key}", "") + ast.dump(member)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            definitions[node.name] = ast.dump(node)
+        else:
+            definitions[ast.unparse(node).splitlines()[0][:80]] = ast.dump(node)
+    return definitions
+
+
+def _check_supported(root: Path, found: str, modules: list[str]) -> None:
+    """Refuse a tree whose modules that this command edits differ from those of the installed, supported release."""
+    installed = version("lightning")
+    differences = []
+    for module in modules:
+        path = _module_path(module)
+        reference = Path(importlib.import_module(module).__file__ or "").read_text()
+        expected, actual = _definitions(reference), _definitions(_read(root / path))
+        changed = sorted(key for key in expected.keys() | actual.keys() if expected.get(key) != actual.get(key))
+        if changed:
+            shown = ", ".join(f"`{key}`" for key in changed[:12]) + (
+                f" and {len(changed) - 12} more" if len(changed) > 12 else ""
+            )
+            differences.append(f"  - {path}: {shown}")
+    if differences:
+        raise UpstreamError(
+            f"{root} does not look like lightning {installed}, the release this package supports and is installed here:"
+            f" it holds lightning {found} (says its version.info), and these definitions differ from {installed}'s:\n"
+            + "\n".join(differences)
+            + f"\nApply the command to the sources of lightning {installed} (its git tag, or"
+            f" `pip download --no-binary :all: --no-deps lightning=={installed}`). docs/source-fabric/upstream.rst says"
+            " what targeting Lightning's master takes."
+        )
+
+
+def _localize_imports(source: Source, modules: set[str]) -> str:
+    """Move top-level imports from the modules we merge into into the functions that use them.
+
+    Those modules import the loading package, so a top-level import back would be a cycle; Lightning imports inside
+    functions in that case too.
+
+    """
+    edits = []
+    localized: dict[str, str] = {}
+    for node in source.tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module in modules:
+            edits.append(Edit(*source.block(node), ""))
+            localized.update({alias.asname or alias.name: node.module for alias in node.names})
+    if not localized:
+        return source.text
+    functions = [node for node in source.tree.body if isinstance(node, ast.FunctionDef)]
+    functions += [
+        member
+        for node in source.tree.body
+        if isinstance(node, ast.ClassDef)
+        for member in node.body
+        if isinstance(member, ast.FunctionDef)
+    ]
+    covered: set[int] = set()
+    for function in functions:
+        used = {node.id for statement in function.body for node in ast.walk(statement) if isinstance(node, ast.Name)}
+        covered |= {id(node) for statement in function.body for node in ast.walk(statement)}
+        needed: dict[str, list[str]] = {}
+        for name in sorted(used & localized.keys()):
+            needed.setdefault(localized[name], []).append(name)
+        if needed:
+            first = function.body[1] if docstring_node(function.body) and len(function.body) > 1 else function.body[0]
+            indent = indentation(source.lines[first.lineno - 1])
+            lines = "".join(f"{indent}from {module} import {', '.join(names)}\n" for module, names in needed.items())
+            edits.append(Edit(source.block(first)[0], source.block(first)[0], lines + "\n"))
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.Name) and node.id in localized and id(node) not in covered:
+            raise UpstreamError(
+                f"{source.name}:{node.lineno}: `{node.id}` is imported from `{localized[node.id]}`, which imports this"
+                " module upstream, and used outside a function body: import it inside the functions that use it."
+            )
+    return apply_edits(source.text, edits)
+
+
+def _allow_cpu(connector: Source) -> str:
+    """Remove the connector's check that refuses ``FSDPStrategy`` without a GPU."""
+    for node in ast.walk(connector.tree):
+        if isinstance(node, ast.If) and len(node.body) == 1 and isinstance(node.body[0], ast.Raise) and not node.orelse:
+            message = " ".join(
+                value.value
+                for value in ast.walk(node.body[0])
+                if isinstance(value, ast.Constant) and isinstance(value.value, str)
+            )
+            if "FSDP" in message and "GPU" in message and "FSDPStrategy" in ast.unparse(node.test):
+                return apply_edits(connector.text, [Edit(*connector.block(node), "")])
+    raise UpstreamError(
+        f"{connector.name}: the check that refuses `FSDPStrategy` without a GPU was not found, so the tree does not"
+        " look like the supported release."
+    )
+
+
+def _changelog(text: str) -> str:
+    """Our entries under the unreleased section, each in its subsection (created when missing)."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if re.match(r"## \[unreleased\]", line, re.IGNORECASE)), None)
+    if start is None:
+        first = next((i for i, line in enumerate(lines) if line.startswith("## ")), len(lines))
+        lines[first:first] = ["## [unreleased] - YYYY-MM-DD\n", "\n"]
+        start = first
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    for section, entries in CHANGELOG_ENTRIES.items():
+        text_entries = [f"- {entry}\n" for entry in entries]
+        heading = next((i for i in range(start, end) if lines[i].strip() == f"### {section}"), None)
+        if heading is None:
+            lines[end:end] = [f"### {section}\n", "\n", *(line for entry in text_entries for line in (entry, "\n"))]
+            end += 2 + 2 * len(text_entries)
+            continue
+        position = heading + 1
+        while position < end and not lines[position].strip():
+            position += 1
+        if position < end and lines[position].strip() == "-":
+            del lines[position]
+            end -= 1
+        block = [line for entry in text_entries for line in ("\n", entry)][1:]
+        if position < end and lines[position].strip():
+            block.append("\n")
+        lines[position:position] = block
+        end += len(block)
+    return "".join(lines)
+
+
+def _carry_tests(root: Path, names: NameMap, result: Plan) -> None:
+    ours = PROJECT_DIR / "tests" / "tests_fabric"
+    if not ours.is_dir():
+        result.notes.append("tests not carried: this package was not run from a checkout of lightning-fsdp")
+        return
+    if not (root / "tests" / "tests_fabric").is_dir():
+        result.notes.append(f"tests not carried: {root} has no tests/tests_fabric/ (an sdist has none)")
+        return
+    dropped = 0
+    for file in sorted(path for path in ours.rglob("*") if path.is_file() and "__pycache__" not in path.parts):
+        relative = file.relative_to(ours).as_posix()
+        destination = f"{TESTS_DIR}/{relative}"
+        if file.suffix != ".py":
+            result.changes.append(Change(destination, _read_optional(root / destination), file.read_text(), relative))
+            continue
+        text = file.read_text()
+        if module_is_package_only(text):
+            result.notes.append(f"not carried: tests/tests_fabric/{relative} (package-only)")
+            continue
+        text, count = drop_package_only(text, relative)
+        dropped += count
+        rewritten = rewrite_python(text, names, f"tests/tests_fabric/{relative}")
+        result.notes.extend(rewritten.notes)
+        result.changes.append(Change(destination, _read_optional(root / destination), rewritten.text, relative))
+    result.notes.append(f"not carried: {dropped} tests marked `package_only` in the carried test files")
+
+
+def _carry_docs(root: Path, names: NameMap, result: Plan) -> None:
+    docs = PROJECT_DIR / "docs" / "source-fabric"
+    if not docs.is_dir():
+        result.notes.append("docs not carried: this package was not run from a checkout of lightning-fsdp")
+        return
+    if not (root / "docs" / "source-fabric").is_dir():
+        result.notes.append(f"docs not carried: {root} has no docs/source-fabric/ (an sdist has none)")
+        return
+    carried_examples: dict[Path, str] = {}
+    for example in sorted((docs / "examples").glob("*.py")):
+        text = example.read_text()
+        if module_is_package_only(text) or "lightning_fsdp.enable" in text:
+            result.notes.append(f"not carried: docs/source-fabric/examples/{example.name} (package-only)")
+            continue
+        destination = f"{EXAMPLES_DIR}/{example.name}"
+        try:
+            rewritten = rewrite_python(text, names, f"docs/source-fabric/examples/{example.name}")
+        except UpstreamError as error:
+            result.notes.append(f"not carried: docs/source-fabric/examples/{example.name} ({error})")
+            continue
+        carried_examples[example.resolve()] = destination
+        result.changes.append(Change(destination, _read_optional(root / destination), rewritten.text, example.name))
+    for page in sorted((docs / "guide").glob("*.rst")):
+        destination = f"{GUIDE_DIR}/{page.name}"
+        where = f"docs/source-fabric/guide/{page.name}"
+        rewritten = rewrite_prose(page.read_text(), names, where)
+        text = _relink_includes(rewritten.text, page, destination, carried_examples, result, where)
+        result.notes.extend(rewritten.notes)
+        mentions = [str(number) for number, line in enumerate(text.splitlines(), 1) if "lightning-fsdp" in line]
+        if mentions:
+            result.notes.append(f"{where}: the `lightning-fsdp` package or command on lines {', '.join(mentions)}")
+        result.changes.append(Change(destination, _read_optional(root / destination), text, where))
+
+
+def _relink_includes(
+    text: str, page: Path, destination: str, examples: dict[Path, str], result: Plan, where: str
+) -> str:
+    def replace(match: re.Match) -> str:
+        included = (page.parent / match.group(2)).resolve()
+        if included not in examples:
+            line = text.count("\n", 0, match.start()) + 1
+            result.notes.append(f"{where}:{line}: includes {match.group(2)}, which is not carried")
+            return match.group(0)
+        relative = os.path.relpath(examples[included], os.path.dirname(destination))
+        return match.group(1) + Path(relative).as_posix()
+
+    return _LITERALINCLUDE.sub(replace, text)
+
+
+def destinations() -> dict[str, str]:
+    """Map this project's source paths to where the command writes them (the table in upstream.rst)."""
+    ours = _our_modules()
+    table = {}
+    for name, path in sorted(ours.items()):
+        relative = f"src/lightning_fsdp/{path.name}" + ("/" if path.is_dir() else "")
+        if name in NOT_CARRIED:
+            table[relative] = "not carried"
+        elif name == "loading":
+            table[relative] = _module_path(LOADING_MODULE, package=True) + "/"
+        elif name in MERGED_MODULES:
+            table[relative] = _module_path(MERGED_MODULES[name])
+        else:
+            base = upstream_base(path.read_text(), name)
+            table[relative] = _module_path(base[0]) if base else "no destination"
+    table["tests/tests_fabric/"] = TESTS_DIR + "/"
+    table["docs/source-fabric/guide/"] = GUIDE_DIR + "/"
+    table["docs/source-fabric/examples/"] = EXAMPLES_DIR + "/"
+    table["CHANGELOG.md"] = CHANGELOG
+    return table
