@@ -43,15 +43,15 @@ from lightning_fsdp.devices import (
 )
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import detect_checkpoint
-from lightning_fsdp.loading.validation import Rename
-from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
-from lightning_fsdp.materialize import (
+from lightning_fsdp.loading.materialize import (
     InitRecord,
     MetaMaterializer,
     attach_init_record,
     has_meta_tensors,
     shared_tensor_names,
 )
+from lightning_fsdp.loading.validation import Rename
+from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY

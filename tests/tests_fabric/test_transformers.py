@@ -14,9 +14,9 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_fsdp import CheckpointLoadError, FSDPStrategy
+from lightning_fsdp.loading.materialize import MetaMaterializer
 from lightning_fsdp.loading.sources import TensorSpec
 from lightning_fsdp.loading.validation import TargetSpec, plan_load
-from lightning_fsdp.materialize import MetaMaterializer
 from tests.tests_fabric.helpers.distributed import run_distributed
 
 transformers = pytest.importorskip("transformers")

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
+from lightning_fsdp.loading.materialize import init_record
 from lightning_fsdp.loading.optimizer import local_optimizer_state
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
@@ -37,7 +38,6 @@ from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
 from lightning_fsdp.loading.validation import NamePlan, Rename, TargetSpec, _names, check_whole_module, plan_load
-from lightning_fsdp.materialize import init_record
 
 
 @dataclass(frozen=True)

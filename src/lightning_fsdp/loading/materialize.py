@@ -23,7 +23,10 @@ initialisation: the model's own (``_init_weights`` of the Hugging Face model tha
 that none did are filled with NaN (floating point) and named in an :class:`InitRecord` on the wrapped module, which
 the loader reads to warn about what a load left uninitialised, and to advise re-tying a missing tied weight.
 
-Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (``setup_module``'s default ``param_init_fn``).
+It lives with the loading code because the loader reads its record; the strategy only creates it.
+
+Upstream destination: ``src/lightning/fabric/utilities/checkpoint_loading/materialize.py``, used by
+``FSDPStrategy.setup_module`` in ``src/lightning/fabric/strategies/fsdp.py`` (its default ``param_init_fn``).
 """
 
 import sys
