@@ -21,13 +21,19 @@ PRESETS: dict[str, tuple[int, int]] = {
     "medium": (1024, 8),  # 67M parameters, 268 MB
     "1gb": (2048, 8),  # 268M parameters, 1.07 GB: the anchor of issue 4 (8 blocks of two 2048x8192 linears)
 }
-FORMATS = ("full", "zip", "legacy", "legacy-fabric", "safetensors")
+FORMATS = ("full", "zip", "legacy", "legacy-fabric", "safetensors", "hf-index")
+#: What ``ModelParallelStrategy`` (FSDP2) runs: the formats of issue FSDP2, item 5.
+FSDP2_FORMATS = ("full", "zip", "safetensors", "hf-index")
+#: Strategy families: Fabric's ``FSDPStrategy`` (FSDP1) and ``ModelParallelStrategy`` (FSDP2, ``fully_shard``).
+STRATEGIES = ("fsdp", "fsdp2")
+STRATEGY_TITLES = {"fsdp": "FSDP1", "fsdp2": "FSDP2"}
 FORMAT_TITLES = {
     "full": "full checkpoint with Adam state",
     "zip": "raw state dict, torch zip file",
     "legacy": "raw state dict, legacy pickle file",
     "legacy-fabric": "Fabric checkpoint {'model': ...}, legacy pickle file",
     "safetensors": "raw state dict, safetensors",
+    "hf-index": "raw state dict, Hugging Face index of safetensors shards",
 }
 FILE_NAMES = {
     "full": "full.ckpt",
@@ -35,7 +41,10 @@ FILE_NAMES = {
     "legacy": "raw_legacy.pth",
     "legacy-fabric": "fabric_legacy.ckpt",
     "safetensors": "model.safetensors",
+    "hf-index": "hf-index/model.safetensors.index.json",
 }
+#: Shards of the Hugging Face index: about equal in bytes, whole tensors each, as `save_pretrained` splits them.
+_HF_SHARDS = 4
 #: Formats that lightning-fsdp runs with k=1 and k=all by default. With ``weights_only=True`` it reads them by byte
 #: ranges, so k should not matter; with ``weights_only=False`` it reads a pickled file whole, in turns of k ranks.
 _TURN_FORMATS = ("legacy", "legacy-fabric")
@@ -157,14 +166,51 @@ def write_checkpoints(workdir: Path, width: int, depth: int, formats: list[str],
             from safetensors.torch import save_file
 
             save_file(state_dict, str(path))
+        elif fmt == "hf-index":
+            parts = _write_hf_index(state_dict, path)
         elif fmt == "full":
             checkpoint = _full_checkpoint(state_dict, param_names)
             torch.save(checkpoint, path)
             del checkpoint
         os.sync()
-        meta["files"][fmt] = {"path": str(path.resolve()), "bytes": path.stat().st_size}
-        _log(f"  {path.name}: {path.stat().st_size / 1e9:.3f} GB in {time.monotonic() - start:.1f} s")
+        entry: dict[str, Any] = {"path": str(path.resolve()), "bytes": path.stat().st_size}
+        if fmt == "hf-index":
+            entry["parts"] = [str(part.resolve()) for part in parts]
+            entry["bytes"] += sum(part.stat().st_size for part in parts)
+        meta["files"][fmt] = entry
+        _log(f"  {FILE_NAMES[fmt]}: {entry['bytes'] / 1e9:.3f} GB in {time.monotonic() - start:.1f} s")
     del state_dict
     gc.collect()
     meta_path.write_text(json.dumps(meta))
     return meta
+
+
+def _write_hf_index(state_dict: dict[str, torch.Tensor], index_path: Path) -> list[Path]:
+    """Safetensors shards and ``model.safetensors.index.json``, as ``transformers``' ``save_pretrained`` writes them.
+
+    The tensors keep their order and are cut into :data:`_HF_SHARDS` runs of about equal bytes.
+
+    """
+    from safetensors.torch import save_file
+
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in index_path.parent.glob("model-*.safetensors"):
+        stale.unlink()
+    names = list(state_dict)
+    total = sum(t.numel() * t.element_size() for t in state_dict.values())
+    count = min(_HF_SHARDS, len(names))
+    groups: list[list[str]] = [[] for _ in range(count)]
+    done = 0
+    for name in names:
+        # the shard whose share of the bytes this tensor starts in
+        groups[min(count - 1, done * count // total)].append(name)
+        done += state_dict[name].numel() * state_dict[name].element_size()
+    groups = [group for group in groups if group]
+    weight_map, parts = {}, []
+    for number, group in enumerate(groups, start=1):
+        part = index_path.parent / f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+        save_file({name: state_dict[name] for name in group}, str(part), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, part.name))
+        parts.append(part)
+    index_path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return parts

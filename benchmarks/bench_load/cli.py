@@ -9,7 +9,17 @@ import tempfile
 from pathlib import Path
 
 from . import __doc__ as _DESCRIPTION
-from .checkpoints import _TRUSTED_FORMATS, _TURN_FORMATS, FORMATS, PRESETS, write_checkpoints
+from .capacity import parse_bytes, run_capacity
+from .checkpoints import (
+    _TRUSTED_FORMATS,
+    _TURN_FORMATS,
+    FORMATS,
+    FSDP2_FORMATS,
+    PRESETS,
+    STRATEGIES,
+    STRATEGY_TITLES,
+    write_checkpoints,
+)
 from .output import _gb, _log
 from .report import _machine, render
 from .runner import _BUSY_MACHINE, Case, run_case
@@ -25,24 +35,32 @@ def _size(text: str) -> tuple[int, int, str]:
 
 
 def _cases(args: argparse.Namespace) -> list[Case]:
+    """Every load to run: for each strategy family, format and implementation (and ``k`` for lightning-fsdp)."""
+    return [case for strategy in args.strategies for case in _strategy_cases(args, strategy)]
+
+
+def _strategy_cases(args: argparse.Namespace, strategy: str) -> list[Case]:
     import lightning
 
-    from lightning_fsdp import FSDPStrategy
+    import lightning_fsdp
 
-    has_concurrency = "load_concurrency" in inspect.signature(FSDPStrategy.__init__).parameters
+    ours_class = lightning_fsdp.ModelParallelStrategy if strategy == "fsdp2" else lightning_fsdp.FSDPStrategy
+    has_concurrency = "load_concurrency" in inspect.signature(ours_class.__init__).parameters
     try:
         import safetensors  # noqa: F401
 
         has_safetensors = True
     except ImportError:
         has_safetensors = False
+    formats = [f for f in args.formats if strategy == "fsdp" or f in FSDP2_FORMATS]
     per_node = args.ranks // args.nodes
     cases = []
-    for fmt, weights_only in [(f, w) for f in args.formats for w in (True, False) if w or f in _TRUSTED_FORMATS]:
+    for fmt, weights_only in [(f, w) for f in formats for w in (True, False) if w or f in _TRUSTED_FORMATS]:
         for impl in args.implementations:
             if impl == "upstream":
-                reason = "n/a (upstream has no safetensors support)" if fmt == "safetensors" else None
-                cases.append(Case(fmt, impl, None, f"upstream {lightning.__version__}", reason, weights_only))
+                reason = _upstream_unavailable(fmt)
+                label = f"upstream {lightning.__version__}"
+                cases.append(Case(fmt, impl, None, label, reason, weights_only, strategy))
                 continue
             ks = args.load_concurrency
             if ks is None:
@@ -55,10 +73,32 @@ def _cases(args: argparse.Namespace) -> list[Case]:
                 reason = None
                 if k is not None and not has_concurrency:
                     reason = "n/a (`load_concurrency` not available yet)"
-                if fmt == "safetensors" and not has_safetensors:
+                if fmt in ("safetensors", "hf-index") and not has_safetensors:
                     reason = "n/a (safetensors is not installed)"
-                cases.append(Case(fmt, impl, k, label, reason, weights_only))
+                cases.append(Case(fmt, impl, k, label, reason, weights_only, strategy))
     return cases
+
+
+def _upstream_unavailable(fmt: str) -> str | None:
+    # Upstream's `load_raw` and `load` (FSDP1 and FSDP2 alike) read a file with `torch.load`, which reads neither
+    # format: a safetensors file is not a pickle, and an index is a JSON file that names other files.
+    if fmt == "safetensors":
+        return "n/a (upstream has no safetensors support)"
+    if fmt == "hf-index":
+        return "n/a (upstream has no Hugging Face index support)"
+    return None
+
+
+def _capacity_cases(args: argparse.Namespace) -> list[Case]:
+    """The full checkpoint with Adam state, for each strategy family and implementation, with its default ``k``."""
+    import lightning
+
+    label = {"upstream": f"upstream {lightning.__version__}", "ours": "lightning-fsdp"}
+    return [
+        Case("full", impl, None, label[impl], strategy=strategy)
+        for strategy in args.strategies
+        for impl in args.implementations
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--implementations", default="upstream,ours", help="comma-separated: upstream, ours")
     parser.add_argument(
+        "--strategy",
+        choices=("fsdp", "fsdp2", "both"),
+        default="both",
+        help="FSDPStrategy (fsdp: FSDP1), ModelParallelStrategy with fully_shard (fsdp2: FSDP2), or both (default)",
+    )
+    parser.add_argument(
         "--load-concurrency",
         default=None,
         help="comma-separated k values for lightning-fsdp (int, 'all', 'auto'); default: 1,all for the legacy"
@@ -86,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output", type=Path, default=None, help="also write the Markdown table to this file")
     parser.add_argument("--json", type=Path, default=None, help="all numbers (default: WORKDIR/results.json)")
-    parser.add_argument("--cache", choices=("cold", "warm"), default="cold", help="page cache before each load")
+    parser.add_argument(
+        "--cache",
+        choices=("cold", "file", "warm"),
+        default="cold",
+        help="page cache before each load: cold (drop all of it, needs root), file (evict only the checkpoint's"
+        " pages), warm (read the checkpoint once) (default: cold)",
+    )
     parser.add_argument("--interval", type=float, default=10.0, help="sampling interval in ms (default: 10)")
     parser.add_argument("--settle", type=float, default=None, help="seconds the ranks idle before and after a load")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is killed")
@@ -98,7 +150,21 @@ def main(argv: list[str] | None = None) -> int:
         help=f"run a load again (up to this many times) when other processes used over {_BUSY_MACHINE} cores during"
         " it, and keep the quietest run (default: 1)",
     )
+    capacity = parser.add_argument_group("capacity mode")
+    capacity.add_argument(
+        "--capacity",
+        action="store_true",
+        help="find the largest full checkpoint with Adam state that loads under --cap, per strategy and implementation",
+    )
+    capacity.add_argument("--cap", type=parse_bytes, default="6GiB", help="memory cap of the whole job (default: 6GiB)")
+    capacity.add_argument("--capacity-width", type=int, default=1024, help="width of the models tried (default: 1024)")
+    capacity.add_argument("--capacity-start", type=int, default=1, help="first depth tried, then doubled (default: 1)")
+    capacity.add_argument("--capacity-max-depth", type=int, default=256, help="largest depth tried (default: 256)")
+    capacity.add_argument(
+        "--capacity-bisections", type=int, default=1, help="bisection steps after the doubling (default: 1)"
+    )
     args = parser.parse_args(argv)
+    args.strategies = list(STRATEGIES) if args.strategy == "both" else [args.strategy]
 
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     args.implementations = [i.strip() for i in args.implementations.split(",") if i.strip()]
@@ -117,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         args.settle = 0.3 if width * depth < 4096 else 1.0
 
     machine = _machine(args.workdir)
+    if args.capacity:
+        return _capacity(args, machine)
     meta = write_checkpoints(args.workdir, width, depth, args.formats, args.rewrite)
     cases = _cases(args)
     results = []
@@ -125,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"[{index}/{len(cases)}] {case.title} / {case.label}: {case.unavailable}")
             results.append((case, {}))
             continue
-        _log(f"[{index}/{len(cases)}] {case.title} / {case.label} ...")
+        _log(f"[{index}/{len(cases)}] {STRATEGY_TITLES[case.strategy]}: {case.title} / {case.label} ...")
         trusted = "" if case.weights_only else "-trusted"
-        run_dir = args.workdir / "runs" / f"{case.format}{trusted}-{case.implementation}-k{case.load_concurrency}"
+        name = f"{case.strategy}-{case.format}{trusted}-{case.implementation}-k{case.load_concurrency}"
+        run_dir = args.workdir / "runs" / name
         result = run_case(args, meta, case, run_dir)
         for _ in range(args.retry_busy):
             if result.get("other_cpu_cores", 0.0) <= _BUSY_MACHINE:
@@ -162,5 +231,20 @@ def main(argv: list[str] | None = None) -> int:
             },
             indent=1,
         )
+    )
+    return 0
+
+
+def _capacity(args: argparse.Namespace, machine: dict[str, str]) -> int:
+    if args.capacity_start < 1 or args.capacity_max_depth < args.capacity_start:
+        raise SystemExit("bench_load: error: need 1 <= --capacity-start <= --capacity-max-depth")
+    table, summary = run_capacity(args, _capacity_cases(args))
+    print(table)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(table)
+    json_path = args.json or args.workdir / "capacity.json"
+    json_path.write_text(
+        json.dumps({"machine": machine, "cap": args.cap, "ranks": args.ranks, "nodes": args.nodes, **summary}, indent=1)
     )
     return 0

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import FORMAT_TITLES
+from .checkpoints import FORMAT_TITLES, STRATEGY_TITLES
 from .output import _log
 from .sampler import Sampler, _PssReading, _write_proc
 
 _BUSY_MACHINE = 0.25  # cores used by other processes during a load above which its time is marked
+_COLD_FILE = "cold (the checkpoint's pages evicted)"  # `--cache file`
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Case:
     label: str = ""
     unavailable: str | None = None
     weights_only: bool = True
+    strategy: str = "fsdp"  # "fsdp" (`FSDPStrategy`, FSDP1) or "fsdp2" (`ModelParallelStrategy`, `fully_shard`)
 
     @property
     def title(self) -> str:
@@ -37,13 +39,48 @@ class Case:
         return FORMAT_TITLES[self.format] + ("" if self.weights_only else ", `weights_only=False`")
 
     @property
-    def key(self) -> tuple[str, bool, str, int | str | None]:
-        return self.format, self.weights_only, self.implementation, self.load_concurrency
+    def strategy_title(self) -> str:
+        return STRATEGY_TITLES[self.strategy]
+
+    @property
+    def key(self) -> tuple[str, str, bool, str, int | str | None]:
+        return self.strategy, self.format, self.weights_only, self.implementation, self.load_concurrency
+
+
+class MemoryLimit:
+    """Confines the rank processes of a run: a memory cgroup (v1) for the whole job, or ``ulimit -v`` per rank.
+
+    Each rank enters the limit itself before it starts Python (a shell that moves its own pid into the cgroup, or sets
+    its address-space limit, then replaces itself with the rank), so nothing else of this process is confined.
+
+    """
+
+    def wrap(self, command: list[str]) -> list[str]:
+        raise NotImplementedError
+
+    def close(self) -> dict[str, Any]:
+        """Remove the limit once the ranks have exited; return what it saw (peak usage, OOM kills)."""
+        return {}
 
 
 def _drop_page_cache() -> bool:
     os.sync()
     return _write_proc("/proc/sys/vm/drop_caches", "1\n")
+
+
+def _evict_from_page_cache(paths: list[Path]) -> bool:
+    """Drop only these files' pages from the page cache (no root needed, other processes keep theirs)."""
+    os.sync()
+    try:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _warm_page_cache(path: Path) -> None:
@@ -58,13 +95,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_case(args: argparse.Namespace, meta: dict[str, Any], case: Case, run_dir: Path) -> dict[str, Any]:
+def _warm_files(entry: dict[str, Any]) -> list[Path]:
+    """The files of a checkpoint: the file itself, or an index and its shards."""
+    return [Path(entry["path"]), *(Path(p) for p in entry.get("parts", []))]
+
+
+def run_case(
+    args: argparse.Namespace,
+    meta: dict[str, Any],
+    case: Case,
+    run_dir: Path,
+    limit: MemoryLimit | None = None,
+) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_dir.glob("rank-*.json"):
         stale.unlink()
     per_node = args.ranks // args.nodes
     k = case.load_concurrency
     cfg = {
+        "strategy": case.strategy,
         "implementation": case.implementation,
         "format": case.format,
         "path": meta["files"][case.format]["path"],
@@ -82,10 +131,14 @@ def run_case(args: argparse.Namespace, meta: dict[str, Any], case: Case, run_dir
     cfg_path.write_text(json.dumps(cfg))
 
     cache = "warm"
+    files = _warm_files(meta["files"][case.format])
     if args.cache == "cold":
         cache = "cold" if _drop_page_cache() else "warm (could not drop the page cache)"
-    if cache != "cold":
-        _warm_page_cache(Path(cfg["path"]))
+    elif args.cache == "file":
+        cache = _COLD_FILE if _evict_from_page_cache(files) else "warm (could not evict the checkpoint)"
+    if not cache.startswith("cold"):
+        for path in files:
+            _warm_page_cache(path)
 
     port = _free_port()
     threads = max(1, (os.cpu_count() or 1) // per_node)
@@ -103,6 +156,8 @@ def run_case(args: argparse.Namespace, meta: dict[str, Any], case: Case, run_dir
         }
         log = open(run_dir / f"rank-{rank}.log", "w")  # noqa: SIM115 (closed below)
         command = [sys.executable, str(Path(__file__).resolve().parent), "--_worker", str(cfg_path)]
+        if limit is not None:
+            command = limit.wrap(command)
         processes.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         node_of.append(rank // per_node)
     sampler = Sampler([p.pid for p, _ in processes], interval=args.interval / 1000).start()
@@ -125,6 +180,7 @@ def run_case(args: argparse.Namespace, meta: dict[str, Any], case: Case, run_dir
         process.wait()
         log.close()
     sampler.stop()
+    confined = limit.close() if limit is not None else {}
 
     ranks = []
     for rank in range(args.ranks):
@@ -132,15 +188,21 @@ def run_case(args: argparse.Namespace, meta: dict[str, Any], case: Case, run_dir
         ranks.append(json.loads(path.read_text()) if path.is_file() else {"rank": rank, "phase": "?"})
     result: dict[str, Any] = {
         "cache": cache,
-        "page_cache_dropped": cache == "cold",
+        "page_cache_dropped": cache.startswith("cold"),
         "ranks_per_node": per_node,
         "threads_per_rank": threads,
+        "exit_codes": [p.returncode for p, _ in processes],
+        "timed_out": timed_out,
+        **confined,
     }
     errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if "error" in r]
     if errors or timed_out or any(r.get("phase") != "done" for r in ranks):
         phase = next((r["phase"] for r in ranks if "error" in r), ranks[0].get("phase"))
         reason = errors[0] if errors else ("timed out" if timed_out else "a rank exited without a result")
         result["error"] = f"failed during {phase}: {reason}"
+        result["failed_phase"] = phase
+        # Every rank passed the barriers after the load, so every rank's load returned.
+        result["loaded"] = phase in ("verify", "done")
         result["logs"] = str(run_dir)
         _log(f"    {result['error']} (logs in {run_dir})")
         return result
@@ -210,6 +272,13 @@ def _measure(
         out["other_cpu_cores"] = max(0.0, others / span)
         out["ranks_cpu_cores"] = (last["ranks_cpu"] - first["ranks_cpu"]) / span
     out["above_base"] = out["peak_pss"] - out["base_pss"]
+    # Anonymous memory the load added, less Adam's state, which every load of the optimizer must allocate (the ranks
+    # compute it from their parameter shards: 2 tensors of the shard's size and a step each).
+    out["optimizer_state_bytes"] = sum(r.get("optimizer_state_bytes", 0) for r in ranks)
+    if any("optimizer_state_allocated" in r for r in ranks):
+        out["optimizer_state_allocated"] = sum(r.get("optimizer_state_allocated", 0) for r in ranks)
+    out["anon_above_base"] = out["peak_anon"] - out["base_anon"]
+    out["anon_above_base_less_optimizer"] = out["anon_above_base"] - out["optimizer_state_bytes"]
     out["file_above_base"] = out["peak_file"] - out["base_file"]
 
     # How good the fast series is: anonymous memory of status vs smaps_rollup, and how often PSS was read.

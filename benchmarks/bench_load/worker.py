@@ -43,13 +43,61 @@ def _upstream_strategy_class() -> type:
     return UpstreamFSDPStrategyOnCPU
 
 
+def _parallelize(model: Model, device_mesh: Any) -> Model:
+    """FSDP2: ``fully_shard`` each block, then the root (the final LayerNorm), over the data-parallel dimension."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = device_mesh["data_parallel"]
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _make_strategy(cfg: dict[str, Any]) -> Any:
+    kwargs = {} if cfg["load_concurrency"] is None else {"load_concurrency": cfg["load_concurrency"]}
+    if cfg["strategy"] == "fsdp2":
+        if cfg["implementation"] == "upstream":
+            # Upstream's class runs on CPU as it is: it builds its device mesh for the CPU device and uses gloo.
+            from lightning.fabric.strategies import ModelParallelStrategy
+        else:
+            from lightning_fsdp import ModelParallelStrategy
+        world_size = cfg["ranks_per_node"] * cfg["nodes"]
+        return ModelParallelStrategy(
+            _parallelize,
+            data_parallel_size=world_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=False,
+            **kwargs,
+        )
     if cfg["implementation"] == "upstream":
         return _upstream_strategy_class()(auto_wrap_policy={Block})
     from lightning_fsdp import FSDPStrategy
 
-    kwargs = {} if cfg["load_concurrency"] is None else {"load_concurrency": cfg["load_concurrency"]}
     return FSDPStrategy(auto_wrap_policy={Block}, **kwargs)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a ``DTensor`` (FSDP2), the tensor itself otherwise (FSDP1)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def _optimizer_state_bytes(optimizer: Any) -> int:
+    """What Adam's state takes on this rank once loaded: ``exp_avg`` and ``exp_avg_sq`` of every local parameter shard,
+    in the parameter's dtype, and a 0-d fp32 ``step`` per parameter. Any load of the optimizer must allocate this."""
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    params = [p for group in _unwrap_objects(optimizer).param_groups for p in group["params"]]
+    return sum(2 * _local(p).numel() * p.element_size() + 4 for p in params)
+
+
+def _allocated_optimizer_state_bytes(optimizer: Any) -> int:
+    """What the loaded Adam state takes on this rank, tensor by tensor (a cross-check of the figure above)."""
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    states = _unwrap_objects(optimizer).state.values()
+    return sum(_local(v).numel() * v.element_size() for s in states for v in s.values() if isinstance(v, torch.Tensor))
 
 
 def _load(cfg: dict[str, Any], fabric: Any, model: nn.Module, optimizer: Any) -> None:
@@ -101,15 +149,60 @@ def _clean_name(name: str) -> str:
 def _verify(cfg: dict[str, Any], fabric: Any, model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """Checksums of the loaded parameters (this rank's share of them) and an exact check of the local Adam state.
 
-    Each FSDP unit is unsharded alone (``summon_full_params(unit, recurse=False)``), so the check costs one unit per
-    rank, not the model.
+    FSDP1: each FSDP unit is unsharded alone (``summon_full_params(unit, recurse=False)``), so the check costs one unit
+    per rank, not the model. FSDP2: each ``DTensor`` parameter is gathered alone (``full_tensor()``), one at a time.
+    Either way the full tensor is the ranks' local shards put together, so a shard that holds the wrong slice of the
+    source changes the position-weighted checksum. Every rank checks its own local Adam state against its own local
+    parameter shard.
 
     """
     from lightning.fabric.wrappers import _unwrap_objects
-    from torch.distributed.fsdp import FullyShardedDataParallel
 
     root = _unwrap_objects(model)
     order = {name: index for index, name in enumerate(cfg["key_order"])}
+    if cfg["strategy"] == "fsdp2":
+        checksums = _dtensor_checksums(root, order, fabric.world_size, fabric.global_rank)
+    else:
+        checksums = _flat_parameter_checksums(root, order, fabric.world_size, fabric.global_rank)
+    result: dict[str, Any] = {"checksums": checksums}
+    if optimizer is not None:
+        optimizer = _unwrap_objects(optimizer)
+        checked, problems = 0, []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                local = _local(param).detach().reshape(-1)
+                if local.numel() == 0:
+                    continue
+                state = optimizer.state.get(param, {})
+                expected = {"exp_avg": local * 0.5, "exp_avg_sq": local * local}
+                for key, value in expected.items():
+                    if key not in state or not torch.equal(_local(state[key]).reshape(-1), value):
+                        problems.append(f"{key} of a parameter of {tuple(param.shape)}")
+                if "step" not in state or float(_local(state["step"])) != ADAM_STEP:
+                    problems.append("step")
+                checked += 1
+        result["optimizer_checked"] = checked
+        result["optimizer_problems"] = problems[:5]
+    return result
+
+
+def _dtensor_checksums(
+    root: nn.Module, order: dict[str, int], world_size: int, rank: int
+) -> dict[str, tuple[float, float, float]]:
+    checksums = {}
+    for name, param in root.named_parameters():  # the same order on every rank: `full_tensor` is a collective
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        if order.get(name, -1) % world_size == rank:
+            checksums[name] = _checksum(full)
+        del full
+    return checksums
+
+
+def _flat_parameter_checksums(
+    root: nn.Module, order: dict[str, int], world_size: int, rank: int
+) -> dict[str, tuple[float, float, float]]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     checksums: dict[str, tuple[float, float, float]] = {}
     for unit_name, unit in root.named_modules():
         if not isinstance(unit, FullyShardedDataParallel):
@@ -117,28 +210,9 @@ def _verify(cfg: dict[str, Any], fabric: Any, model: nn.Module, optimizer: Any) 
         with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
             for name, param in _own_parameters(unit).items():
                 full_name = _clean_name(f"{unit_name}.{name}" if unit_name else name)
-                if order.get(full_name, -1) % fabric.world_size == fabric.global_rank:
+                if order.get(full_name, -1) % world_size == rank:
                     checksums[full_name] = _checksum(param)
-    result: dict[str, Any] = {"checksums": checksums}
-    if optimizer is not None:
-        optimizer = _unwrap_objects(optimizer)
-        checked, problems = 0, []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.numel() == 0:
-                    continue
-                state = optimizer.state.get(param, {})
-                local = param.detach().reshape(-1)
-                expected = {"exp_avg": local * 0.5, "exp_avg_sq": local * local}
-                for key, value in expected.items():
-                    if key not in state or not torch.equal(state[key].reshape(-1), value):
-                        problems.append(f"{key} of a parameter of {tuple(param.shape)}")
-                if "step" not in state or float(state["step"]) != ADAM_STEP:
-                    problems.append("step")
-                checked += 1
-        result["optimizer_checked"] = checked
-        result["optimizer_problems"] = problems[:5]
-    return result
+    return checksums
 
 
 def _reset_peak_rss() -> bool:
@@ -166,7 +240,9 @@ def run_worker(cfg_path: str) -> int:
         model = fabric.setup_module(model)
         optimizer = None
         if cfg["format"] == "full":
+            # Right after `setup_module`, before any forward (FSDP2 keeps the root's parameters gathered after one).
             optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=ADAM_LR))
+            result["optimizer_state_bytes"] = _optimizer_state_bytes(optimizer)
         gc.collect()
         fabric.barrier()
         result["t_base_start"] = time.monotonic()
@@ -187,6 +263,8 @@ def run_worker(cfg_path: str) -> int:
             result["io"] = {key: io_after[key] - io_before[key] for key in io_before}
         result["load_seconds"] = end - start
         result["peak_rss"] = 1024 * (_read_fields("/proc/self/status", ("VmHWM",)) or {}).get("VmHWM", 0)
+        if optimizer is not None:
+            result["optimizer_state_allocated"] = _allocated_optimizer_state_bytes(optimizer)
 
         result["phase"] = "after load"
         time.sleep(cfg["settle"])

@@ -2,14 +2,16 @@
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import lightning
 import pytest
 import torch
-from benchmarks.bench_load import checkpoints, cli
+from benchmarks.bench_load import capacity, checkpoints, cli
 from lightning.fabric import Fabric
 
 from lightning_fsdp import FSDPStrategy
@@ -32,6 +34,7 @@ def test_benchmark_smoke(tmp_path):
         "--ranks=2",
         "--formats=zip",
         "--implementations=upstream,ours",
+        "--strategy=fsdp",
         f"--workdir={tmp_path / 'work'}",
         f"--output={output}",
         "--cache=warm",  # dropping the page cache would slow down everything else running on the machine
@@ -44,9 +47,9 @@ def test_benchmark_smoke(tmp_path):
 
     table = output.read_text()
     assert table in completed.stdout
-    assert "| checkpoint | implementation | load time |" in table
+    assert "| strategy | checkpoint | implementation | load time |" in table
     assert "| storage read per node | read-call bytes per node | correct |" in table
-    rows = [line for line in table.splitlines() if line.startswith("| raw state dict, torch zip file (")]
+    rows = [line for line in table.splitlines() if line.startswith("| FSDP1 | raw state dict, torch zip file (")]
     assert len(rows) == 2
     assert "upstream" in rows[0]
     assert "lightning-fsdp" in rows[1]
@@ -127,7 +130,12 @@ def test_benchmark_runs_as_module():
 def test_legacy_fabric_checkpoint_is_also_loaded_as_a_trusted_file():
     """The same file with ``weights_only=False``: read whole, in turns of k=1 and k=all ranks, upstream alongside."""
     args = argparse.Namespace(
-        formats=["legacy-fabric"], implementations=["upstream", "ours"], load_concurrency=None, ranks=4, nodes=1
+        formats=["legacy-fabric"],
+        implementations=["upstream", "ours"],
+        load_concurrency=None,
+        ranks=4,
+        nodes=1,
+        strategies=["fsdp"],
     )
     cases = cli._cases(args)
     title = "Fabric checkpoint {'model': ...}, legacy pickle file"
@@ -141,3 +149,137 @@ def test_legacy_fabric_checkpoint_is_also_loaded_as_a_trusted_file():
         (trusted, "lightning-fsdp, k=1", False),
         (trusted, "lightning-fsdp, k=all (4)", False),
     ]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sampler reads /proc")
+def test_benchmark_smoke_fsdp2(tmp_path):
+    """FSDP2: upstream's and this project's `ModelParallelStrategy`, a full checkpoint with Adam and an HF index."""
+    output = tmp_path / "table.md"
+    command = [
+        sys.executable,
+        str(_PACKAGE),
+        "--size=tiny",
+        "--ranks=2",
+        "--strategy=fsdp2",
+        "--formats=full,legacy,hf-index",  # legacy: not an FSDP2 format, so no row
+        f"--workdir={tmp_path / 'work'}",
+        f"--output={output}",
+        "--cache=file",
+        "--settle=0.2",
+        "--timeout=120",
+        "--retry-busy=0",
+    ]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    table = output.read_text()
+    header = "| strategy | checkpoint | implementation | load time |"
+    main_table = table[table.index(header) :].split("\n\n")[0]
+    rows = [line.split(" | ") for line in main_table.splitlines() if line.startswith("| FSDP2 | ")]
+    assert [(row[1].split(" (")[0], row[2]) for row in rows] == [
+        (checkpoints.FORMAT_TITLES[fmt], impl)
+        for fmt in ("full", "hf-index")
+        for impl in (f"upstream {lightning.__version__}", "lightning-fsdp")
+    ]
+    assert "n/a (upstream has no Hugging Face index support)" in rows[2][3]
+    assert "Targets of issue FSDP2, item 5" in table
+    assert "full checkpoint with Adam state, lightning-fsdp: load time at most 0.25x upstream" in table
+
+    report = json.loads((tmp_path / "work" / "results.json").read_text())
+    measured = [r for r in report["results"] if "load_seconds" in r]
+    assert len(measured) == 3
+    for result in measured:
+        assert result["case"]["strategy"] == "fsdp2"
+        assert result["correct"], result["correct_detail"]
+        assert result["page_cache_dropped"] is True  # `--cache file`: the checkpoint's pages were evicted
+        assert result["anon_above_base"] == result["peak_anon"] - result["base_anon"]
+        if result["case"]["format"] == "full":
+            # Adam's exp_avg and exp_avg_sq of every local shard and a step per parameter, over both ranks
+            shapes, names = checkpoints._state_dict_layout(*checkpoints.PRESETS["tiny"])
+            expected = sum(2 * 4 * math.prod(shapes[name]) + 4 * 2 for name in names)
+            assert result["optimizer_state_bytes"] == result["optimizer_state_allocated"] == expected
+        else:
+            assert result["optimizer_state_bytes"] == 0
+        assert result["anon_above_base_less_optimizer"] == result["anon_above_base"] - result["optimizer_state_bytes"]
+    index = json.loads(Path(report["files"]["hf-index"]["path"]).read_text())
+    assert len(set(index["weight_map"].values())) == 4
+    assert list(index["weight_map"]) == list(checkpoints._make_state_dict(*checkpoints.PRESETS["tiny"]))
+
+
+@pytest.mark.parametrize(
+    ("capacity_depth", "start", "limit", "bisections", "largest", "smallest", "tried"),
+    [
+        (5, 1, 64, 1, 4, 6, [1, 2, 4, 8, 6]),  # doubling to 8, one bisection between 4 and 8
+        (5, 1, 64, 2, 5, 6, [1, 2, 4, 8, 6, 5]),
+        (3, 1, 64, 0, 2, 4, [1, 2, 4]),
+        (40, 1, 24, 1, 24, None, [1, 2, 4, 8, 16, 24]),  # every size fits: up to the limit, then stop
+        (0, 1, 64, 1, None, 1, [1]),  # nothing fits
+        (7, 2, 64, 3, 7, 8, [2, 4, 8, 6, 7]),  # adjacent sizes: no further bisection
+    ],
+)
+def test_capacity_ladder(capacity_depth, start, limit, bisections, largest, smallest, tried):
+    """The ladder of sizes against a fake load that fits up to `capacity_depth`: no real loads."""
+    calls = []
+
+    def fits(depth: int) -> bool:
+        calls.append(depth)
+        return depth <= capacity_depth
+
+    ladder = capacity.search(fits, start, limit, bisections)
+    assert calls == tried
+    assert (ladder.largest_fit, ladder.smallest_fail) == (largest, smallest)
+    if largest is not None and smallest is not None:
+        assert largest < smallest
+
+
+def test_capacity_ratio_and_sizes():
+    sizes = {d: {"model_bytes": d * 1e8} for d in (1, 2, 3, 4, 6, 8, 16)}
+    ours = capacity.Ladder(1, 64, largest_fit=6, smallest_fail=8)
+    upstream = capacity.Ladder(1, 64, largest_fit=2, smallest_fail=3)
+    assert capacity.capacity_ratio(ours, upstream, sizes) == "3.0x (between 2.0x and 4.0x)"
+    assert capacity.capacity_ratio(capacity.Ladder(1, 16, largest_fit=16), upstream, sizes).startswith("at least 5.3x")
+    assert capacity.capacity_ratio(ours, capacity.Ladder(1, 4, largest_fit=4), sizes).startswith("n/a")
+    # What fits: a checked load; a load that returned on every rank and was OOM-killed only in the check after it
+    assert capacity._fits({"correct": True})
+    assert not capacity._fits({"correct": False})
+    killed = {"error": "failed during verify: ...", "loaded": True, "oom_kills": 1}
+    assert capacity._fits(killed)
+    assert capacity._outcome(True, killed) == "yes*"
+    assert not capacity._fits({**killed, "loaded": False})  # killed in the load
+    assert not capacity._fits({**killed, "oom_kills": 0})  # another failure after the load
+    assert capacity._why_not({**killed, "loaded": False}) == "OOM-killed"
+    assert capacity.parse_bytes("3GiB") == capacity.parse_bytes("3g") == 3 * 2**30
+    assert capacity.parse_bytes("512MiB") == 2**29
+    with pytest.raises(argparse.ArgumentTypeError):
+        capacity.parse_bytes("3 potatoes")
+
+
+@pytest.mark.skipif(not capacity.cgroups_writable(), reason="needs a writable memory cgroup (v1, root)")
+def test_capacity_probe_under_a_cgroup(tmp_path):
+    """One real probe: a cap far below what two ranks need to start, so the cgroup's OOM killer ends the job."""
+    command = [
+        sys.executable,
+        str(_PACKAGE),
+        "--capacity",
+        "--cap=200MiB",
+        "--capacity-width=64",
+        "--capacity-max-depth=1",
+        "--ranks=2",
+        "--strategy=fsdp2",
+        "--implementations=ours",
+        f"--workdir={tmp_path / 'work'}",
+        "--cache=file",
+        "--settle=0.1",
+        "--timeout=60",
+        "--retry-busy=0",
+    ]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert (
+        "| FSDP2 | lightning-fsdp | none | 0.1 MB (64x1, checkpoint 0.4 MB) | OOM-killed | 1: no |" in completed.stdout
+    )
+    report = json.loads((tmp_path / "work" / "capacity.json").read_text())
+    outcome = report["ladders"][0]["outcomes"]["1"]
+    assert outcome["limit"] == "cgroup"
+    assert outcome["oom_kills"] >= 1
+    assert outcome["cgroup_peak_usage"] <= 200 * 2**20
+    assert not list((tmp_path / "work" / "capacity").iterdir())  # each size's files deleted after its runs
