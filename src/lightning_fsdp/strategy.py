@@ -50,6 +50,7 @@ from lightning_fsdp.loading.materialize import (
     has_meta_tensors,
     shared_tensor_names,
 )
+from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
 
@@ -215,7 +216,8 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
         """
         if self._state_dict_type != "full" or not self._set_up_on_cpu():
-            return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            with torch_internal_warnings_silenced():
+                return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         if storage_options is not None:
             raise TypeError(
                 "`FSDPStrategy.save_checkpoint(..., storage_options=...)` is not supported because"
