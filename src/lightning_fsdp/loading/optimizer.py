@@ -97,7 +97,7 @@ def _param_state(state: Mapping[str, Any], param: OptimizerParam) -> dict[str, A
                     f" for {target.names[0]!r} of the same FSDP unit; the optimizer state is inconsistent."
                 )
             for run in runs:
-                flat[run.offset : run.offset + run.count] = _flat_range(value, run.start, run.start + run.count)
+                _copy_flat_range(value, run.start, flat[run.offset : run.offset + run.count])
         local[key] = param.to_state(flat)
     return local
 
@@ -127,7 +127,9 @@ def _is_per_element(value: Any, target: Target) -> bool:
     return isinstance(value, (Tensor, TensorRef)) and value.dim() > 0 and tuple(value.shape) == target.shape
 
 
-def _flat_range(value: Tensor | TensorRef, start: int, stop: int) -> Tensor:
+def _copy_flat_range(value: Tensor | TensorRef, start: int, out: Tensor) -> None:
+    """Write ``out.numel()`` elements of the flattened ``value`` from ``start`` into ``out``."""
     if isinstance(value, TensorRef):
-        return value.read_flat(start, stop)
-    return value.reshape(-1)[start:stop]
+        value.read_flat_into(start, out)
+    else:
+        out.copy_(value.reshape(-1)[start : start + out.numel()])

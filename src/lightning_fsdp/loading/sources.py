@@ -9,6 +9,7 @@ an error instead of a ``SIGBUS``.
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
+import ctypes
 import math
 import mmap
 import os
@@ -61,6 +62,10 @@ class TensorSource(ABC):
     def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Return elements ``[start, stop)`` of the flattened tensor."""
         return self.read(name).reshape(-1)[start:stop]
+
+    def read_flat_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        """Write elements ``[start, start + out.numel())`` of the flattened tensor into ``out`` (cast as needed)."""
+        out.copy_(self.read_flat(name, start, start + out.numel()))
 
     @abstractmethod
     def check_unchanged(self) -> None:
@@ -156,6 +161,22 @@ class ByteRangeSource(TensorSource):
         stop = min(stop, location.spec.numel)
         start = min(max(start, 0), stop)
         return self._read_elements(name, location, location.element_offset + start, stop - start)
+
+    def read_flat_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        location = self._locations[name]
+        direct = location.stride is None and out.device.type == "cpu" and out.is_contiguous()
+        if not direct or out.dtype != location.spec.dtype or out.numel() == 0 or out.requires_grad:
+            super().read_flat_into(name, start, out)
+            return
+        if start < 0 or start + out.numel() > location.spec.numel:
+            raise ValueError(f"elements [{start}, {start + out.numel()}) are outside the tensor {name!r}")
+        # Straight into the destination's memory: no buffer of its own, no second copy (a fresh tensor's, such as an
+        # optimizer state being built; a parameter is written through `copy_`, which autograd tracks).
+        nbytes = out.numel() * out.element_size()
+        destination = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
+        file, _ = self._open(location.file)
+        offset = location.storage_offset + (location.element_offset + start) * out.element_size()
+        read_exactly(file, offset, destination, location.file, f"the tensor {name!r}")
 
     def _read_elements(self, name: str, location: TensorLocation, first: int, count: int) -> torch.Tensor:
         dtype = location.spec.dtype
@@ -274,6 +295,9 @@ class TensorRef:
 
     def read_flat(self, start: int, stop: int) -> torch.Tensor:
         return self.source.read_flat(self.name, start, stop)
+
+    def read_flat_into(self, start: int, out: torch.Tensor) -> None:
+        self.source.read_flat_into(self.name, start, out)
 
     def __repr__(self) -> str:
         return f"TensorRef({self.name!r}, shape={tuple(self.spec.shape)}, dtype={self.spec.dtype})"
