@@ -33,7 +33,7 @@ from lightning_fsdp.loading.shard_local import (
     copy_into_module,
     join,
 )
-from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint
+from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint, read_checked_metadata
 from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
@@ -199,12 +199,16 @@ def _load_sharded(path: Path, request: LoadRequest, stagger: StaggeredLoad) -> L
         )
     key = request.module_key or "model"
     optimizer_keys = list(request.optimizers)
+    # Read, unpickled and checked once: the check and the load below use the same metadata.
+    dcp_metadata = read_checked_metadata(path, request.weights_only)
     metadata, stored = check_sharded_request(
-        path, key, optimizer_keys, request.metadata_keys, request.strict, request.weights_only
+        path, key, optimizer_keys, request.metadata_keys, request.strict, request.weights_only, dcp_metadata
     )
     stagger.agree_on_success()  # before the collectives of the distributed checkpoint reader
     present = {k: optimizer for k, optimizer in request.optimizers.items() if k in stored}
-    skipped = load_sharded_checkpoint(path, request.module, key, present, request.strict, request.weights_only)
+    skipped = load_sharded_checkpoint(
+        path, request.module, key, present, request.strict, request.weights_only, dcp_metadata
+    )
     requested = {k: metadata.pop(k) for k in request.metadata_keys if k in metadata}
     return LoadResult(requested, metadata, skipped)
 

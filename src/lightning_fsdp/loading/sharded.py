@@ -85,11 +85,12 @@ def check_sharded_request(
     metadata_keys: Iterable[str],
     strict: bool,
     weights_only: bool,
+    dcp_metadata: Metadata | None = None,
 ) -> tuple[dict[str, Any], set[str]]:
     """Check that the checkpoint holds what the caller asks for, before anything is read into the model.
 
     No collective runs here, so it may run before the ranks agree. The checkpoint's files are checked like
-    :func:`check_storage_files` does.
+    :func:`check_storage_files` does, unless ``dcp_metadata`` is given: then it was read and checked already.
 
     Returns:
         The user's metadata (``meta.pt``), and the top-level keys whose tensors the checkpoint holds.
@@ -99,8 +100,8 @@ def check_sharded_request(
             ``strict=True``) a requested optimizer or key.
 
     """
-    dcp_metadata = read_dcp_metadata(path, weights_only)
-    check_storage_files(path, dcp_metadata)
+    if dcp_metadata is None:
+        dcp_metadata = read_checked_metadata(path, weights_only)
     stored = _top_level_keys(dcp_metadata)
     metadata = read_sharded_metadata(path, weights_only)
     entries = ", ".join(repr(key) for key in sorted(stored | set(map(str, metadata))))
@@ -118,6 +119,13 @@ def check_sharded_request(
             f" entries are {entries}. To load what is there, pass `strict=False`."
         )
     return metadata, stored
+
+
+def read_checked_metadata(path: Path, weights_only: bool) -> Metadata:
+    """:func:`read_dcp_metadata`, then :func:`check_storage_files`: what a load reads once and uses throughout."""
+    metadata = read_dcp_metadata(path, weights_only)
+    check_storage_files(path, metadata)
+    return metadata
 
 
 def stored_entries(path: Path, weights_only: bool = True) -> set[str]:
@@ -200,8 +208,11 @@ def load_sharded_checkpoint(
     optimizers: Mapping[str, Optimizer],
     strict: bool,
     weights_only: bool = True,
+    dcp_metadata: Metadata | None = None,
 ) -> str:
     """Restore ``module`` and ``optimizers`` from the shards in ``path`` (after :func:`check_sharded_request`).
+
+    ``dcp_metadata``, when given, is what :func:`read_checked_metadata` returned for ``path``: it is not read again.
 
     Every rank must call it (it runs collectives). The entries are checked against the model and the optimizers,
     then everything is read, then written: when it raises, the model and the optimizers are unchanged.
@@ -220,8 +231,7 @@ def load_sharded_checkpoint(
     from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    metadata = read_dcp_metadata(path, weights_only)
-    check_storage_files(path, metadata)
+    metadata = dcp_metadata if dcp_metadata is not None else read_checked_metadata(path, weights_only)
     reader = CheckedFileSystemReader(path, metadata, weights_only=weights_only)
     with torch_internal_warnings_silenced(), _get_sharded_state_dict_context(module):
         module_state = {module_key: module.state_dict()}
