@@ -88,7 +88,10 @@ def _param_state(state: Mapping[str, Any], param: OptimizerParam) -> dict[str, A
         if not _is_per_element(first, first_target):
             local[key] = materialize(first)
             continue
-        flat = torch.zeros(param.numel, dtype=first.dtype)
+        # Elements no run writes (the padding of an FSDP1 flat shard) must be zero; filling the rest first would
+        # only write every element twice.
+        covered = sum(run.count for _, runs in param.parts for run in runs) == param.numel
+        flat = torch.empty(param.numel, dtype=first.dtype) if covered else torch.zeros(param.numel, dtype=first.dtype)
         for target, runs, saved in present:
             value = saved[key]
             if not _is_per_element(value, target):

@@ -250,7 +250,8 @@ def copy_into_module(
 ) -> None:
     """Copy the planned tensors from ``source``: each rank reads and writes only the slices it holds.
 
-    Values are cast to the model's dtype and moved to the tensor's device (the rank's own) by the copy.
+    Values are cast to the model's dtype and moved to the tensor's device (the rank's own) by the copy. A slice of the
+    same dtype in host memory is read straight into the parameter's memory, without a buffer in between.
 
     """
     with torch.no_grad():
@@ -264,8 +265,9 @@ def copy_into_module(
                 assert target.local is not None
                 for run in target.runs:
                     if run.count:
-                        values = source.read_flat(source_name, run.start, run.start + run.count)
-                        target.local[run.offset : run.offset + run.count].copy_(values)
+                        source.read_flat_into(source_name, run.start, target.local[run.offset : run.offset + run.count])
+                # A read into the memory bypasses autograd's record of in-place writes: record it, as `copy_` would.
+                torch.autograd.graph.increment_version(target.local)
             if on_tensor is not None:
                 on_tensor(target.local_numel * target.dtype.itemsize)
 

@@ -170,8 +170,8 @@ class ByteRangeSource(TensorSource):
             return
         if start < 0 or start + out.numel() > location.spec.numel:
             raise ValueError(f"elements [{start}, {start + out.numel()}) are outside the tensor {name!r}")
-        # Straight into the destination's memory: no buffer of its own, no second copy (a fresh tensor's, such as an
-        # optimizer state being built; a parameter is written through `copy_`, which autograd tracks).
+        # Straight into the destination's memory: no buffer of its own, no second copy. Autograd does not see this
+        # write; a caller that writes into a tensor autograd tracks records it (`increment_version`).
         nbytes = out.numel() * out.element_size()
         destination = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
         file, _ = self._open(location.file)
@@ -253,6 +253,9 @@ class MergedSource(TensorSource):
 
     def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self._owner[name].read_flat(name, start, stop)
+
+    def read_flat_into(self, name: str, start: int, out: torch.Tensor) -> None:
+        self._owner[name].read_flat_into(name, start, out)
 
     def check_unchanged(self) -> None:
         for source in self._sources:

@@ -9,7 +9,9 @@ import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint, load_torch_file, open_checkpoint
+from lightning_fsdp.loading.shard_local import ModuleTargets, Run, Target, copy_into_module
 from lightning_fsdp.loading.sources import ByteRangeSource, DictSource
+from lightning_fsdp.loading.validation import plan_load
 from tests.tests_fabric.helpers.checkpoints import FORMATS, retag_storages, write_bad_inputs, write_checkpoint
 from tests.tests_fabric.helpers.models import TinyTransformer
 from tests.tests_fabric.helpers.runif import RunIf
@@ -62,6 +64,29 @@ def test_only_trusted_pickles_are_read_whole(tmp_path, state_dict, fmt):
     detected = detect_checkpoint(write_checkpoint(state_dict, tmp_path, fmt))
     assert not detected.reads_whole(weights_only=True)
     assert detected.reads_whole(weights_only=False) == (fmt in ("torch-zip", "torch-legacy", "hf-index-bin"))
+
+
+@pytest.mark.parametrize("fmt", ["torch-zip", "torch-legacy", "safetensors", "hf-index-safetensors"])
+def test_shards_are_read_straight_into_the_parameter(tmp_path, state_dict, fmt, monkeypatch):
+    """A slice of the same dtype on the CPU goes from the file into the parameter's memory, with no buffer between,
+    and autograd sees the write (the parameter's version changes, as it would with ``copy_``)."""
+    opened = open_checkpoint(detect_checkpoint(write_checkpoint(state_dict, tmp_path, fmt)), None, weights_only=True)
+    name, full = next((name, tensor) for name, tensor in state_dict.items() if tensor.dim() == 2)
+    rows = full.shape[0] // 2
+    param = torch.nn.Parameter(torch.full((full.shape[0] - rows, *full.shape[1:]), -1.0))
+    version = param._version
+    target = Target([name], tuple(full.shape), full.dtype, local=param.detach().view(-1))
+    target.runs = [Run(rows * full.shape[1], param.numel(), 0)]
+    plan = plan_load([target.spec], {name: opened.source.specs()[name]}, strict=True)
+
+    def no_buffer(*args: object) -> None:
+        raise AssertionError("read through a buffer")
+
+    monkeypatch.setattr(ByteRangeSource, "_read_elements", no_buffer)
+    copy_into_module(ModuleTargets(targets=[target]), plan, opened.source)
+    opened.close()
+    assert torch.equal(param.detach(), full[rows:])
+    assert param._version > version
 
 
 @RunIf(linux_only=True)
