@@ -100,10 +100,10 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
     def setup_environment(self) -> None:
         """Upstream's setup (device, process group, device mesh), refusing ranks that would share a device.
 
-        Before a device is selected and the process group is joined, the cluster environment must give this process a
-        rank and a device that no other process of the launch can have (see
-        :meth:`lightning_fsdp.FSDPStrategy.setup_environment`); once the process group exists, and before the device
-        mesh is built on it, the ranks check together that no two of them share a node slot or a physical GPU.
+        Before a device is selected and the process group is joined, the ranks that the cluster environment reports
+        must fit ``Fabric(devices=..., num_nodes=...)`` and the visible CUDA devices, and agree with the variables of
+        any other launcher that describes this process; otherwise it raises, naming the values and where they were
+        read. See :meth:`_setup_distributed` for the check that follows.
 
         """
         _check_cluster_environment(
@@ -113,9 +113,13 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
 
     @override
     def _setup_distributed(self) -> None:
+        """Upstream's process group, then a check across all ranks that no two share a node slot or a physical GPU.
+
+        It runs here, before upstream's ``setup_environment`` builds the device mesh on the process group, so that
+        ranks sharing a device all fail with the same clear error instead of inside the mesh's collectives.
+
+        """
         super()._setup_distributed()
-        # Here, between joining the process group and building the device mesh (upstream's `setup_environment`), so
-        # that ranks sharing a device fail together with a clear error instead of inside the mesh's collectives.
         _check_distinct_devices(
             self.global_rank,
             self.node_rank,
