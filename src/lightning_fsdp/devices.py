@@ -18,7 +18,9 @@ environment reports. When it is wrong (every process of a node reads local rank 
 variables were read instead of the launcher's), every rank of the node silently selects ``cuda:0``. The helpers here
 check, before a device is selected, that the ranks, the node count and the devices per node fit together and that no
 two launchers describe the process differently; after the process group exists, that no two ranks share a logical
-slot or a physical GPU; and after ``setup_module``, that no parameter or buffer lives on another rank's GPU.
+slot or a physical GPU; and after ``setup_module``, that no parameter or buffer lives on another rank's GPU. Both
+:class:`lightning_fsdp.FSDPStrategy` (FSDP1) and :class:`lightning_fsdp.ModelParallelStrategy` (FSDP2, tensor
+parallelism) run them; the messages name the strategy that refused.
 
 Upstream destination: the checks are not FSDP-specific, they would go to
 ``src/lightning/fabric/strategies/parallel.py`` (called from every ``ParallelStrategy.setup_environment``).
@@ -74,7 +76,10 @@ class _Reading:
 
 
 def _check_cluster_environment(
-    environment: ClusterEnvironment | None, parallel_devices: list[torch.device] | None, num_nodes: int
+    environment: ClusterEnvironment | None,
+    parallel_devices: list[torch.device] | None,
+    num_nodes: int,
+    strategy: str = "FSDPStrategy",
 ) -> None:
     """Check that the cluster environment gives this process a rank and a device that no other process can have.
 
@@ -87,6 +92,7 @@ def _check_cluster_environment(
         environment: The strategy's cluster environment.
         parallel_devices: The devices of one node, indexed by local rank.
         num_nodes: The number of nodes given to ``Fabric(num_nodes=...)``.
+        strategy: The name of the strategy that runs the check, for the message.
 
     Raises:
         RuntimeError: If any check fails. The message lists every failed check, the values read and the environment
@@ -115,7 +121,7 @@ def _check_cluster_environment(
     contradictions = _launcher_contradictions(environment, readings)
     if not problems and not contradictions:
         return
-    raise RuntimeError(_environment_error(environment, readings, problems, contradictions))
+    raise RuntimeError(_environment_error(strategy, environment, readings, problems, contradictions))
 
 
 def _read_environment(
@@ -211,12 +217,16 @@ def _int_variable(name: str) -> int | None:
 
 
 def _environment_error(
-    environment: ClusterEnvironment, readings: tuple[_Reading, ...], problems: list[str], contradictions: list[str]
+    strategy: str,
+    environment: ClusterEnvironment,
+    readings: tuple[_Reading, ...],
+    problems: list[str],
+    contradictions: list[str],
 ) -> str:
     name = type(environment).__name__
     width = max(len(reading.label) for reading in readings)
     lines = [
-        "`FSDPStrategy.setup_environment` refuses to select a device for this process: the cluster environment is"
+        f"`{strategy}.setup_environment` refuses to select a device for this process: the cluster environment is"
         " inconsistent, and going on would put several ranks of a node on the same device (typically `cuda:0`).",
         "",
         "Problems:",
@@ -256,7 +266,12 @@ def _environment_error(
 
 
 def _check_distinct_devices(
-    global_rank: int, node_rank: int, local_rank: int, device: torch.device, world_size: int
+    global_rank: int,
+    node_rank: int,
+    local_rank: int,
+    device: torch.device,
+    world_size: int,
+    strategy: str = "FSDPStrategy",
 ) -> None:
     """Check, across all ranks, that no two share a (node rank, local rank) slot or a physical CUDA device.
 
@@ -269,6 +284,7 @@ def _check_distinct_devices(
         local_rank: This process's local rank.
         device: The device this process selected.
         world_size: The number of processes.
+        strategy: The name of the strategy that runs the check, for the message.
 
     Raises:
         RuntimeError: If two ranks share a slot or a GPU. The message names the ranks and what they share.
@@ -298,7 +314,7 @@ def _check_distinct_devices(
     ]
     if problems:
         raise RuntimeError(
-            "`FSDPStrategy.setup_environment` found ranks that share a device:\n"
+            f"`{strategy}.setup_environment` found ranks that share a device:\n"
             + "\n".join(f"  - {problem}" for problem in problems)
             + "\nHINT: every process of a node needs its own local rank (`LOCAL_RANK`, `SLURM_LOCALID`) and its own"
             " GPU. Launch one process per device with `fabric run`, `torchrun` or `srun --ntasks-per-node=<devices>`,"
@@ -321,15 +337,18 @@ def _own_cuda_device(device: torch.device) -> AbstractContextManager:
     return torch.cuda.device(device)
 
 
-def _check_placement(module: Module, device: torch.device, where: str) -> None:
+def _check_placement(module: Module, device: torch.device, where: str, strategy: str = "FSDPStrategy") -> None:
     """Check that no parameter or buffer of ``module`` lives on a CUDA device other than ``device``.
 
-    CPU tensors (``cpu_offload``, models not moved yet) and meta tensors are allowed.
+    CPU tensors (``cpu_offload``, models not moved yet) and meta tensors are allowed. A ``DTensor`` (FSDP2, tensor
+    parallelism) is checked by this rank's local shard: its ``.device`` is the device of its local tensor, not only the
+    device type of its mesh.
 
     Args:
-        module: The module to check, wrapped or not.
+        module: The module to check, wrapped, sharded or not.
         device: The rank's own device.
         where: Says when the check ran, for the message (``"before wrapping"``, ``"after wrapping"``).
+        strategy: The name of the strategy that runs the check, for the message.
 
     Raises:
         RuntimeError: Naming the misplaced tensors, their device and the likely causes.
@@ -346,7 +365,7 @@ def _check_placement(module: Module, device: torch.device, where: str) -> None:
     if len(misplaced) > _MAX_LISTED:
         listed.append(f"  ... and {len(misplaced) - _MAX_LISTED} more")
     raise RuntimeError(
-        f"`FSDPStrategy.setup_module` found {len(misplaced)} parameter(s) or buffer(s) {where} on a CUDA device that"
+        f"`{strategy}.setup_module` found {len(misplaced)} parameter(s) or buffer(s) {where} on a CUDA device that"
         f" is not this rank's own ({device}):\n"
         + "\n".join(listed)
         + "\nLikely causes: a device hard-coded in the model (`device='cuda:0'`, `.cuda(0)`, `.to('cuda:0')`), or a"

@@ -17,7 +17,7 @@ Upstream destination: ``src/lightning/fabric/strategies/model_parallel.py``.
 """
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -31,6 +31,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp.devices import (
+    _check_cluster_environment,
+    _check_distinct_devices,
+    _check_placement,
+    _own_cuda_device,
+)
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
@@ -47,7 +53,9 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
     It behaves like the upstream class (FSDP2 and tensor parallelism applied by ``parallelize_fn``; on CPU with the
     ``gloo`` backend too). In addition, :meth:`load_checkpoint` (``fabric.load``, ``fabric.load_raw``) reads raw module
     state dicts, safetensors and Hugging Face checkpoints besides Fabric's own, and copies each rank's own slice of
-    every tensor straight into its ``DTensor`` shards, without broadcasting full tensors.
+    every tensor straight into its ``DTensor`` shards, without broadcasting full tensors. Like
+    :class:`lightning_fsdp.FSDPStrategy`, it refuses a launch that would put two ranks of a node on the same device,
+    and ``fabric.init_module()`` and :meth:`setup_module` keep every tensor on the rank's own device.
 
     Arguments:
         parallelize_fn: A function that applies parallelisms to a module. The strategy will provide the
@@ -87,6 +95,65 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
             timeout=timeout,
         )
         init_loading_options(self, load_concurrency, load_progress)
+
+    @override
+    def setup_environment(self) -> None:
+        """Upstream's setup (device, process group, device mesh), refusing ranks that would share a device.
+
+        Before a device is selected and the process group is joined, the ranks that the cluster environment reports
+        must fit ``Fabric(devices=..., num_nodes=...)`` and the visible CUDA devices, and agree with the variables of
+        any other launcher that describes this process; otherwise it raises, naming the values and where they were
+        read. See :meth:`_setup_distributed` for the check that follows.
+
+        """
+        _check_cluster_environment(
+            self.cluster_environment, self.parallel_devices, self.num_nodes, strategy=type(self).__name__
+        )
+        super().setup_environment()
+
+    @override
+    def _setup_distributed(self) -> None:
+        """Upstream's process group, then a check across all ranks that no two share a node slot or a physical GPU.
+
+        It runs here, before upstream's ``setup_environment`` builds the device mesh on the process group, so that
+        ranks sharing a device all fail with the same clear error instead of inside the mesh's collectives.
+
+        """
+        super()._setup_distributed()
+        _check_distinct_devices(
+            self.global_rank,
+            self.node_rank,
+            self.local_rank,
+            self.root_device,
+            self.world_size,
+            strategy=type(self).__name__,
+        )
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """Upstream's method (``parallelize_fn``, then meta tensors materialised), with placement checked around it.
+
+        Before ``parallelize_fn`` and after the module is set up, no parameter or buffer may live on a CUDA device other
+        than the rank's own; a ``DTensor`` is checked by its local shard. CPU and meta tensors are allowed.
+
+        """
+        strategy = type(self).__name__
+        _check_placement(module, self.root_device, where="before `parallelize_fn`", strategy=strategy)
+        module = super().setup_module(module)
+        _check_placement(module, self.root_device, where="after `parallelize_fn`", strategy=strategy)
+        return module
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """Upstream's context (meta device with ``empty_init=True``), with the rank's own GPU as the current device.
+
+        So a model that creates tensors on ``"cuda"`` inside ``fabric.init_module()`` puts them on the rank's GPU.
+
+        """
+        stack = ExitStack()
+        stack.enter_context(_own_cuda_device(self.root_device))
+        stack.enter_context(super().module_init_context(empty_init=empty_init))
+        return stack
 
     @override
     def load_checkpoint(

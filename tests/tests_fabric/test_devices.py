@@ -1,9 +1,13 @@
 """The device each rank selects, and the checks that keep the ranks of a node off each other's device.
 
+Both strategies run the same checks: ``FSDPStrategy`` (FSDP1) and ``ModelParallelStrategy`` (FSDP2), so the tests of a
+strategy's behaviour run with each (``strategy_name``).
+
 No GPU exists on the machines that run this suite, so CUDA is mocked here: ``torch.cuda.device_count`` and
 ``torch.cuda.is_available`` report two GPUs, ``torch.cuda.set_device`` records the device instead of selecting it, and
-joining the process group is skipped. What is tested is the device each rank *would* select and that an inconsistent
-environment is refused *before* any device is selected. The standalone tests in ``test_two_nodes.py`` check the same
+joining the process group (and building ``ModelParallelStrategy``'s device mesh on it) is skipped. What is tested is the
+device each rank *would* select and that an inconsistent environment is refused *before* any device is selected. The
+tests that join a real (gloo) process group run on CPU; the standalone tests in ``test_two_nodes.py`` check the same
 on real GPUs.
 """
 
@@ -18,7 +22,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
 from torch import nn
 
-from lightning_fsdp import FSDPStrategy
+from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
 from lightning_fsdp.devices import (
     _check_cluster_environment,
     _check_distinct_devices,
@@ -26,6 +30,7 @@ from lightning_fsdp.devices import (
     _own_cuda_device,
 )
 from tests.tests_fabric.helpers.distributed import run_distributed
+from tests.tests_fabric.helpers.models import TinyTransformer, make_batch
 
 # Node rank 1 of 2 nodes x 2 GPUs, local rank 1: global rank 3, device cuda:1.
 _TORCHRUN = {
@@ -82,11 +87,33 @@ def mocked_cuda():
         stack.enter_context(mock.patch("torch.cuda.is_available", return_value=True))
         stack.enter_context(mock.patch("lightning.fabric.accelerators.cuda._check_cuda_matmul_precision"))
         stack.enter_context(mock.patch.object(FSDPStrategy, "_setup_distributed"))
+        # ModelParallelStrategy's own `_setup_distributed` runs (its device check finds no process group and returns)
+        stack.enter_context(mock.patch("lightning.fabric.strategies.model_parallel._init_dist_connection"))
+        stack.enter_context(mock.patch("lightning.fabric.strategies.model_parallel._setup_device_mesh"))
         yield stack.enter_context(mock.patch("torch.cuda.set_device"))
 
 
-def _cuda_fabric(**kwargs) -> Fabric:
-    return Fabric(accelerator="cuda", devices=2, num_nodes=2, strategy=FSDPStrategy(), **kwargs)
+def _parallelize(model: nn.Module, device_mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=device_mesh["data_parallel"])
+    return fully_shard(model, mesh=device_mesh["data_parallel"])
+
+
+def _strategy(name: str, parallelize_fn=_parallelize):
+    if name == "fsdp":
+        return FSDPStrategy()
+    return ModelParallelStrategy(parallelize_fn, data_parallel_size=4, tensor_parallel_size=1)
+
+
+@pytest.fixture(params=["fsdp", "model_parallel"])
+def strategy_name(request) -> str:
+    return request.param
+
+
+def _cuda_fabric(strategy_name: str = "fsdp", **kwargs) -> Fabric:
+    return Fabric(accelerator="cuda", devices=2, num_nodes=2, strategy=_strategy(strategy_name), **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -97,9 +124,9 @@ def _cuda_fabric(**kwargs) -> Fabric:
         pytest.param([_TORCHRUN, _SLURM], TorchElasticEnvironment, id="torchrun-and-slurm"),
     ],
 )
-def test_node_rank_1_selects_its_local_rank_device(launch_env, mocked_cuda, variables, environment):
+def test_node_rank_1_selects_its_local_rank_device(launch_env, mocked_cuda, strategy_name, variables, environment):
     launch_env(*variables)
-    fabric = _cuda_fabric()
+    fabric = _cuda_fabric(strategy_name)
     assert type(fabric.strategy.cluster_environment) is environment
     fabric.strategy.setup_environment()
     assert (fabric.global_rank, fabric.node_rank, fabric.local_rank, fabric.world_size) == (3, 1, 1, 4)
@@ -107,22 +134,23 @@ def test_node_rank_1_selects_its_local_rank_device(launch_env, mocked_cuda, vari
     mocked_cuda.assert_called_once_with(torch.device("cuda", 1))
 
 
-def test_torchrun_under_one_slurm_task_per_node_is_fine(launch_env, mocked_cuda):
+def test_torchrun_under_one_slurm_task_per_node_is_fine(launch_env, mocked_cuda, strategy_name):
     """``srun --ntasks-per-node=1 torchrun ...``: SLURM's variables describe the launchers (2 tasks), not the ranks."""
     launch_env(_TORCHRUN, {**_SLURM, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2"})
     launch_env({"SLURM_NTASKS_PER_NODE": "1"})
-    fabric = _cuda_fabric()
+    fabric = _cuda_fabric(strategy_name)
     fabric.strategy.setup_environment()
     mocked_cuda.assert_called_once_with(torch.device("cuda", 1))
 
 
-def test_contradicting_torchrun_and_slurm_variables_raise(launch_env, mocked_cuda):
+def test_contradicting_torchrun_and_slurm_variables_raise(launch_env, mocked_cuda, strategy_name):
     """Both launchers describe four processes, but disagree about which one this is: no device may be chosen."""
     launch_env(_TORCHRUN, {**_SLURM, "SLURM_PROCID": "2", "SLURM_LOCALID": "0"})
-    fabric = _cuda_fabric()
+    fabric = _cuda_fabric(strategy_name)
     with pytest.raises(RuntimeError, match="refuses to select a device") as error:
         fabric.strategy.setup_environment()
     message = str(error.value)
+    assert message.startswith(f"`{type(fabric.strategy).__name__}.setup_environment` refuses to select a device")
     assert "SLURM (`srun`) says local rank 0 (SLURM_LOCALID=0), but `TorchElasticEnvironment` read 1" in message
     assert "global rank 2 (SLURM_PROCID=2)" in message
     assert "LOCAL_RANK=1" in message
@@ -130,7 +158,7 @@ def test_contradicting_torchrun_and_slurm_variables_raise(launch_env, mocked_cud
     mocked_cuda.assert_not_called()
 
 
-def test_slurm_variables_preferred_over_torchrun_raise(launch_env, mocked_cuda):
+def test_slurm_variables_preferred_over_torchrun_raise(launch_env, mocked_cuda, strategy_name):
     """The original cause: SLURM's variables read inside torchrun's processes, so a node's ranks all read local rank 0.
 
     With one SLURM task per node running torchrun, every process of node 1 reads ``SLURM_LOCALID=0`` and
@@ -139,7 +167,7 @@ def test_slurm_variables_preferred_over_torchrun_raise(launch_env, mocked_cuda):
     """
     launch_env(_TORCHRUN, {**_SLURM, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2"})
     launch_env({"SLURM_NTASKS_PER_NODE": "1"})
-    fabric = _cuda_fabric(plugins=[SLURMEnvironment()])
+    fabric = _cuda_fabric(strategy_name, plugins=[SLURMEnvironment()])
     assert fabric.device == torch.device("cuda", 0)  # the pile-up that the check refuses
     with pytest.raises(RuntimeError, match="refuses to select a device") as error:
         fabric.strategy.setup_environment()
@@ -152,10 +180,10 @@ def test_slurm_variables_preferred_over_torchrun_raise(launch_env, mocked_cuda):
 
 
 @pytest.mark.parametrize(("rank", "fails"), [("2", False), ("3", True)])
-def test_every_rank_of_a_node_reading_local_rank_0_raises(launch_env, mocked_cuda, rank, fails):
+def test_every_rank_of_a_node_reading_local_rank_0_raises(launch_env, mocked_cuda, strategy_name, rank, fails):
     """A launcher that sets ``RANK`` but ``LOCAL_RANK=0`` for every process of node 1: rank 3 would take cuda:0."""
     launch_env({"RANK": rank, "LOCAL_RANK": "0", "NODE_RANK": "1", "WORLD_SIZE": "4"})
-    fabric = _cuda_fabric()
+    fabric = _cuda_fabric(strategy_name)
     assert type(fabric.strategy.cluster_environment) is LightningEnvironment
     if not fails:
         fabric.strategy.setup_environment()
@@ -166,9 +194,9 @@ def test_every_rank_of_a_node_reading_local_rank_0_raises(launch_env, mocked_cud
     mocked_cuda.assert_not_called()
 
 
-def test_world_size_not_nodes_times_devices_raises(launch_env, mocked_cuda):
+def test_world_size_not_nodes_times_devices_raises(launch_env, mocked_cuda, strategy_name):
     launch_env(_TORCHRUN, {"WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1", "GROUP_RANK": "2"})
-    fabric = _cuda_fabric()
+    fabric = _cuda_fabric(strategy_name)
     with pytest.raises(RuntimeError, match="refuses to select a device") as error:
         fabric.strategy.setup_environment()
     message = str(error.value)
@@ -236,6 +264,110 @@ def test_ranks_sharing_a_slot_or_a_gpu_all_raise():
     assert "ranks [0, 1] all use the same physical GPU host/GPU-0" in same_gpu
 
 
+def _refuse_to_share_a_device() -> dict[str, list[str]]:
+    """Both processes of a node that would end up on the same device, launched once per strategy.
+
+    First the original cause: one SLURM task started both processes, and Fabric reads SLURM's variables, so both read
+    local rank 0 (and would select the same device). Each process must refuse before the process group exists. Then the
+    launch is consistent, but both processes use the same (mocked) physical GPU: every rank must refuse once the
+    process group exists, and ``ModelParallelStrategy`` before its device mesh is built on it.
+
+    """
+    slurm = {**_SLURM, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "1"}
+    slurm.update(SLURM_NTASKS_PER_NODE="1", SLURM_NNODES="1")
+    messages: dict[str, list[str]] = {"before": [], "after": []}
+    os.environ.update(slurm)
+    for name in ("fsdp", "model_parallel"):
+        strategy = _strategy(name, _parallelize)
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[SLURMEnvironment()])
+        with pytest.raises(RuntimeError) as error:
+            fabric.launch()
+        assert not torch.distributed.is_initialized()
+        messages["before"].append(str(error.value).replace(type(strategy).__name__, "<strategy>"))
+    for variable in slurm:
+        del os.environ[variable]
+    with mock.patch("lightning_fsdp.devices._physical_device", return_value="host/GPU-0"):
+        for name in ("fsdp", "model_parallel"):
+            strategy = _strategy(name, _parallelize)
+            fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+            with pytest.raises(RuntimeError) as error:
+                fabric.launch()
+            assert torch.distributed.is_initialized()
+            if name == "model_parallel":
+                assert strategy._device_mesh is None, "the device mesh was built before the devices were checked"
+            messages["after"].append(str(error.value).replace(type(strategy).__name__, "<strategy>"))
+    return messages
+
+
+def test_ranks_that_would_share_a_device_refuse_like_fsdp_strategy():
+    results = run_distributed(_refuse_to_share_a_device, devices=2, timeout=60)
+    for result in results:
+        fsdp, model_parallel = result["before"]
+        assert model_parallel == fsdp, "ModelParallelStrategy refuses with FSDPStrategy's message"
+        assert fsdp.startswith("`<strategy>.setup_environment` refuses to select a device")
+        assert "world size 1 != 1 nodes x 2 devices per node = 2" in fsdp
+        assert "world size        1    (SLURM_NTASKS=1)" in fsdp
+    # Both ranks read the same values; only the listing of this process's own launcher variables (LOCAL_RANK) differs.
+    assert len({result["before"][0].split("Launcher variables")[0] for result in results}) == 1
+    assert results[0]["after"] == results[1]["after"], "every rank raises the same error, so none is left waiting"
+    fsdp, model_parallel = results[0]["after"]
+    assert model_parallel == fsdp
+    assert "ranks [0, 1] all use the same physical GPU host/GPU-0" in fsdp
+
+
+def _set_up_and_train_model_parallel() -> dict:
+    """A 2-rank gloo run of ``ModelParallelStrategy`` through ``setup_environment`` and ``setup_module``."""
+    from torch.distributed.tensor import DTensor
+
+    def parallelize(model: nn.Module, device_mesh) -> nn.Module:
+        meta_shard = DTensor.from_local(torch.empty(2, device="meta"), device_mesh["data_parallel"], run_check=False)
+        # A DTensor's `.device` is its local shard's, which the placement check reads, not its mesh's device type.
+        assert meta_shard.device == torch.device("meta")
+        assert device_mesh.device_type == "cpu"
+        return _parallelize(model, device_mesh)
+
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=2, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    check_calls = []
+
+    def check_distinct_devices(*args, **kwargs) -> None:
+        # Record when the check runs (process group joined? mesh not built yet?), then run it.
+        check_calls.append((torch.distributed.is_initialized(), strategy._device_mesh is None))
+        _check_distinct_devices(*args, **kwargs)
+
+    with mock.patch("lightning_fsdp.model_parallel._check_distinct_devices", side_effect=check_distinct_devices):
+        fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = TinyTransformer()
+    init_devices = {str(tensor.device) for tensor in model.parameters()}
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    parameters = list(model.parameters())
+    _check_placement(model, torch.device("cuda", 1), where="after `parallelize_fn`")  # CPU shards are allowed
+    inputs, targets = make_batch(0)
+    loss = nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+    fabric.backward(loss)
+    optimizer.step()
+    return {
+        "check_calls": check_calls,
+        "init_devices": sorted(init_devices),
+        "all_dtensors": all(isinstance(parameter, DTensor) for parameter in parameters),
+        "devices": sorted({str(parameter.device) for parameter in parameters}),
+        "local_devices": sorted({str(parameter.to_local().device) for parameter in parameters}),
+        "loss": loss.item(),
+    }
+
+
+def test_model_parallel_two_ranks_on_cpu_set_up_and_train():
+    results = run_distributed(_set_up_and_train_model_parallel, devices=2, timeout=60)
+    for result in results:
+        assert result["check_calls"] == [(True, True)], "the device check runs once, between process group and mesh"
+        assert result["init_devices"] == ["meta"]
+        assert result["all_dtensors"]
+        assert result["devices"] == result["local_devices"] == ["cpu"]
+    assert results[0]["loss"] == results[1]["loss"]
+
+
 def _fake_module(**tensors: torch.device) -> SimpleNamespace:
     named = [(name.replace("__", "."), SimpleNamespace(device=device)) for name, device in tensors.items()]
     return SimpleNamespace(named_parameters=lambda: named[:-1], named_buffers=lambda: named[-1:])
@@ -273,10 +405,50 @@ def test_placement_check_accepts_cpu_meta_and_own_gpu_tensors():
     _check_placement(nn.Linear(2, 2), torch.device("cpu"), where="after wrapping")
 
 
-def test_module_init_context_makes_the_own_gpu_current(launch_env, mocked_cuda):
+class _StandInModule(nn.Module):
+    """A module whose parameters are stand-ins carrying a device: no CUDA tensor can be created here."""
+
+    def __init__(self, **devices: torch.device) -> None:
+        super().__init__()
+        self.stand_ins = [
+            (name.replace("__", "."), SimpleNamespace(device=device, is_meta=device.type == "meta"))
+            for name, device in devices.items()
+        ]
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(self.stand_ins)
+
+    def named_buffers(self, *args, **kwargs):
+        return iter(())
+
+
+def test_model_parallel_setup_module_checks_placement_around_parallelize_fn(launch_env, mocked_cuda):
+    """Rank 3 (``cuda:1``): a model on ``cuda:0`` is refused before ``parallelize_fn``, a result on it after."""
+    launch_env(_TORCHRUN)
+    parallelize = mock.Mock(return_value=_StandInModule(head__weight=torch.device("cuda", 0)))
+    fabric = Fabric(accelerator="cuda", devices=2, num_nodes=2, strategy=_strategy("model_parallel", parallelize))
+    fabric.strategy.setup_environment()
+
+    before = r"`ModelParallelStrategy.setup_module` found 1 parameter\(s\) or buffer\(s\) before `parallelize_fn`"
+    with pytest.raises(RuntimeError, match=before) as error:
+        fabric.strategy.setup_module(_StandInModule(weight=torch.device("cuda", 0), bias=torch.device("cuda", 1)))
+    assert "weight on cuda:0" in str(error.value)
+    assert "bias" not in str(error.value)
+    parallelize.assert_not_called()
+
+    with pytest.raises(RuntimeError, match=r"found 1 parameter\(s\) or buffer\(s\) after `parallelize_fn`") as error:
+        fabric.strategy.setup_module(_StandInModule(weight=torch.device("cuda", 1)))
+    assert "head.weight on cuda:0" in str(error.value)
+    parallelize.assert_called_once()
+
+    parallelize.return_value = placed = _StandInModule(weight=torch.device("cuda", 1), cache=torch.device("cpu"))
+    assert fabric.strategy.setup_module(_StandInModule(weight=torch.device("cpu"))) is placed
+
+
+def test_module_init_context_makes_the_own_gpu_current(launch_env, mocked_cuda, strategy_name):
     """Inside ``init_module()``, ``"cuda"`` must mean the rank's own GPU; with ``empty_init=True`` tensors are meta."""
     launch_env(_TORCHRUN)
-    fabric = _cuda_fabric()
+    fabric = _cuda_fabric(strategy_name)
     with mock.patch("torch.cuda.device") as cuda_device:
         with fabric.strategy.module_init_context(empty_init=True):
             layer = nn.Linear(2, 2)
@@ -286,9 +458,9 @@ def test_module_init_context_makes_the_own_gpu_current(launch_env, mocked_cuda):
     assert layer.weight.device == torch.device("meta")
 
 
-def test_own_cuda_device_is_a_no_op_on_cpu():
+def test_own_cuda_device_is_a_no_op_on_cpu(strategy_name):
     with _own_cuda_device(torch.device("cpu")):
         assert torch.empty(1).device == torch.device("cpu")
-    strategy = Fabric(accelerator="cpu", devices=1, strategy=FSDPStrategy()).strategy
+    strategy = Fabric(accelerator="cpu", devices=1, strategy=_strategy(strategy_name)).strategy
     with strategy.module_init_context(empty_init=True):
         assert nn.Linear(2, 2).weight.device == torch.device("meta")

@@ -1,8 +1,10 @@
 """Two "nodes" of real processes on one machine, launched the way users launch real nodes.
 
 Each node is its own launcher process (``fabric run --num-nodes=2 --node-rank=R ...`` or the ``torchrun`` equivalent)
-on 127.0.0.1, and every rank runs ``scripts/two_nodes_worker.py``: ``init_module(empty_init=True)``, ``setup_module``,
-``load_raw`` of a raw checkpoint (compared bit-exact), a training step, and a report of its ranks, device and tensors.
+on 127.0.0.1, and every rank runs ``scripts/two_nodes_worker.py``, once with ``FSDPStrategy`` (FSDP1) and then with
+``ModelParallelStrategy`` (FSDP2 across both nodes) in the same processes: ``init_module(empty_init=True)``,
+``setup_module``, ``load_raw`` of a raw checkpoint (shard-local, compared bit-exact), a training step, and a report of
+its ranks, device and tensors.
 On CPU the nodes have two ranks each; the standalone GPU tests give each node its own ``CUDA_VISIBLE_DEVICES`` and
 check, per physical GPU, which processes put memory there.
 """
@@ -27,6 +29,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 _WORKER = Path(__file__).resolve().parent / "scripts" / "two_nodes_worker.py"
 _NUM_NODES = 2
 _TIMEOUT = 150.0
+_STRATEGIES = ("fsdp", "model_parallel")
 # What a launcher, a scheduler or Fabric's CLI may have left in this process's environment: the nodes get none of it.
 _INHERITED_PREFIXES = ("SLURM_", "TORCHELASTIC_", "LT_", "PL_", "OMPI_", "PMI_")
 _INHERITED_NAMES = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
@@ -67,8 +70,8 @@ def _run_two_nodes(
     accelerator: str = "cpu",
     devices: int = 2,
     node_env: list[dict[str, str]] | None = None,
-) -> list[dict]:
-    """Start both nodes at once, wait for them (killing both on timeout), and return the reports by global rank."""
+) -> dict[str, list[dict]]:
+    """Start both nodes at once, wait for them (killing both on timeout); return each strategy's reports by rank."""
     if launcher == "fabric":
         pytest.importorskip("click", reason="`fabric run` needs `click` (in the test extra)")
     port = find_free_network_port()
@@ -112,8 +115,10 @@ def _run_two_nodes(
         pytest.fail(f"The two-node run with {launcher} {reason}:\n{tails}")
 
     world_size = _NUM_NODES * devices
-    reports = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
-    assert [report["global_rank"] for report in reports] == list(range(world_size))
+    by_rank = [json.loads((report_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+    reports = {strategy: [ranks[strategy] for ranks in by_rank] for strategy in _STRATEGIES}
+    for strategy_reports in reports.values():
+        assert [report["global_rank"] for report in strategy_reports] == list(range(world_size))
     return reports
 
 
@@ -128,7 +133,7 @@ def _save_raw_checkpoint(path: Path, device: str = "cpu") -> Path:
     return path
 
 
-def _assert_ranks_and_training(reports: list[dict], devices: int) -> None:
+def _assert_ranks_and_training(reports: list[dict], devices: int, strategy: str) -> None:
     for report in reports:
         rank = report["global_rank"]
         node_rank, local_rank = divmod(rank, devices)
@@ -142,19 +147,25 @@ def _assert_ranks_and_training(reports: list[dict], devices: int) -> None:
         assert report["env"]["LOCAL_RANK"] == str(local_rank)
         assert report["env"]["GROUP_RANK"] == str(node_rank)
         assert report["init_devices"] == ["meta"], "`init_module(empty_init=True)` must create parameters on meta"
-        assert report["tensor_devices"] == [report["device"]], f"rank {rank}: tensors on {report['tensor_devices']}"
-        assert report["changed_by_step"], f"rank {rank}: the training step changed nothing"
+        assert report["tensor_devices"] == [report["device"]], (
+            f"{strategy}, rank {rank}: tensors on {report['tensor_devices']}"
+        )
+        assert report["changed_by_step"], f"{strategy}, rank {rank}: the training step changed nothing"
     # All ranks hold the same model and saw the same batch: the same loss and the same parameters changed.
     assert len({report["loss"] for report in reports}) == 1
     assert len({tuple(report["changed_by_step"]) for report in reports}) == 1
+    if strategy == "model_parallel":  # FSDP2 over all ranks of both nodes: each holds its own rows of every parameter
+        full = sum(tensor.numel() for tensor in TinyTransformer().parameters())
+        assert sum(report["local_numel"] for report in reports) == full
+        assert all(0 < report["local_numel"] < full for report in reports)
 
 
 @pytest.mark.parametrize("launcher", ["fabric", "torchrun"])
 def test_two_nodes_cpu(tmp_path, launcher):
     checkpoint = _save_raw_checkpoint(tmp_path / "raw.pth")
-    reports = _run_two_nodes(launcher, tmp_path, checkpoint)
-    _assert_ranks_and_training(reports, devices=2)
-    assert {report["device"] for report in reports} == {"cpu"}
+    for strategy, reports in _run_two_nodes(launcher, tmp_path, checkpoint).items():
+        _assert_ranks_and_training(reports, devices=2, strategy=strategy)
+        assert {report["device"] for report in reports} == {"cpu"}
 
 
 @RunIf(min_cuda_gpus=2, standalone=True)
@@ -176,17 +187,27 @@ def test_two_nodes_cuda_every_rank_on_its_own_gpu(tmp_path, launcher, saved_on):
     uuids = [str(torch.cuda.get_device_properties(index).uuid).lower().removeprefix("gpu-") for index in range(gpus)]
     checkpoint = _save_raw_checkpoint(tmp_path / "raw.pth", device=saved_on)
 
-    reports = _run_two_nodes(launcher, tmp_path, checkpoint, accelerator="cuda", devices=devices, node_env=node_env)
+    runs = _run_two_nodes(launcher, tmp_path, checkpoint, accelerator="cuda", devices=devices, node_env=node_env)
+    for strategy, reports in runs.items():
+        _assert_every_rank_on_its_own_gpu(reports, devices, strategy, physical, uuids)
 
-    _assert_ranks_and_training(reports, devices=devices)
+
+def _assert_every_rank_on_its_own_gpu(
+    reports: list[dict], devices: int, strategy: str, physical: list[list[int]], uuids: list[str]
+) -> None:
+    _assert_ranks_and_training(reports, devices=devices, strategy=strategy)
     for report in reports:
         rank, local_rank, node_rank = report["global_rank"], report["local_rank"], report["node_rank"]
         assert report["device"] == f"cuda:{local_rank}"
         assert report["current_device"] == local_rank
-        assert report["own_gpu"] == uuids[physical[node_rank][local_rank]], f"rank {rank} is on the wrong GPU"
+        assert report["own_gpu"] == uuids[physical[node_rank][local_rank]], (
+            f"{strategy}, rank {rank} is on the wrong GPU"
+        )
         others = {index: used for index, used in report["allocated"].items() if int(index) != local_rank}
         assert report["allocated"][str(local_rank)] > 0
-        assert all(used == 0 for used in others.values()), f"rank {rank} allocated memory on other GPUs: {others}"
+        assert all(used == 0 for used in others.values()), (
+            f"{strategy}, rank {rank} allocated memory on other GPUs: {others}"
+        )
     # From the driver's side: every worker process has a CUDA context on its own GPU and on no other.
     gpu_processes = reports[0].get("gpu_processes") or []
     for report in reports:
