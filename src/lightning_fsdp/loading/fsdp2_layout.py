@@ -4,20 +4,23 @@ FSDP2 (``fully_shard``) and tensor parallelism replace each parameter with a ``D
 and, per dimension of the device mesh, a placement. ``Shard(dim)`` splits a tensor dimension into chunks like
 :func:`torch.chunk`, the last ones smaller or empty; ``Replicate()`` keeps it whole; ``_StridedShard(dim,
 split_factor)`` is what ``fully_shard`` gives a dimension that tensor parallelism already shards (FSDP x TP on a 2-D
-mesh): the rank holds its chunk of each of ``split_factor`` consecutive parts of the dimension. Every layout built of
-these is served shard-locally (FSDP, HSDP, tensor parallelism alone, FSDP x TP, uneven and empty shards): per
+mesh): the rank holds its chunk of each of ``split_factor`` consecutive parts of the dimension. Layouts built of
+these are served shard-locally (FSDP, HSDP, tensor parallelism alone, FSDP x TP, uneven and empty shards): per
 dimension the local tensor holds a few ranges of global indices, so its elements are runs of the flattened
 checkpoint tensor (one per range of rows when only dimension 0 is sharded, one per row and range of columns when
 dimension 1 is) that every source format reads alike. Optimizer states are ``DTensor`` objects with the parameter's
-mesh and placements. Other placements (``Partial``), and a local tensor that is not contiguous or not of the shape its
-placements give, make the loader fall back to upstream's path.
+mesh and placements. Other placements (``Partial``), a ``_StridedShard`` layout that torch itself reads in two ways
+(uneven sizes when FSDP shards over three or more ranks: :func:`ambiguous_strided_dim`), and a local tensor that is
+not contiguous or not of the shape its placements give make the loader fall back to upstream's path.
 
 Upstream destination: ``src/lightning/fabric/strategies/model_parallel.py`` (module-level helpers).
 """
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -100,26 +103,39 @@ def local_indices(
     ascending ranges, in the order of the local tensor. Returns ``None`` for any other placement (``Partial``).
 
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+    splits = _splits(shape, mesh_shape, coordinate, placements)
+    return None if splits is None else _held(shape, splits)
 
-    held = [[range(size)] if size else [] for size in shape]
-    for mesh_dim, placement in enumerate(placements):
-        if type(placement) is Replicate:
-            continue
-        if type(placement) not in (Shard, _StridedShard) or not -len(shape) <= placement.dim < len(shape):
+
+@functools.lru_cache(maxsize=1024)
+def ambiguous_strided_dim(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[object, ...]
+) -> int | None:
+    """The first dimension whose indices :func:`local_indices` and ``fully_shard`` place differently on some rank.
+
+    ``fully_shard`` over a tensor-parallel parameter chunks each rank's tensor-parallel shard (right to left: the
+    plain shards first, then its own), and describes that with a ``_StridedShard`` placement, which
+    ``distribute_tensor`` and :func:`local_indices` read left to right. The two readings agree for sizes that divide
+    evenly and whenever FSDP shards over two ranks, but not always (7 rows over a 3 x 2 mesh: ``fully_shard`` leaves
+    rank (2, 0) no row and gives (2, 1) row 6, the placements the reverse), so the loader serves a ``_StridedShard``
+    only where they agree on every rank: the answer depends on the shape, mesh and placements alone, so every rank
+    takes the same path. Returns ``None`` where they agree (or the placements have no ``_StridedShard``, or one that
+    :func:`local_indices` does not know).
+
+    """
+    sharding = [mesh_dim for mesh_dim, placement in enumerate(placements) if hasattr(placement, "dim")]
+    coordinates = itertools.product(*(range(size) if dim in sharding else (0,) for dim, size in enumerate(mesh_shape)))
+    for coordinate in coordinates:
+        splits = _splits(shape, mesh_shape, coordinate, placements)
+        if splits is None or all(split.split_factor == 1 for split in splits):
             return None
-        dim = placement.dim % len(shape)
-        split_factor = int(placement.split_factor) if type(placement) is _StridedShard else 1
-        pieces = mesh_shape[mesh_dim]
-        length = _length(held[dim])
-        kept = []
-        for part in range(split_factor):
-            part_start, part_stop = _chunk(length, split_factor, part)
-            start, stop = _chunk(part_stop - part_start, pieces, coordinate[mesh_dim])
-            kept.extend(_select(held[dim], part_start + start, part_start + stop))
-        held[dim] = _merged(kept)
-    return tuple(held)
+        plain = [split for split in splits if split.split_factor == 1]
+        strided = [split._replace(split_factor=1) for split in reversed(splits) if split.split_factor > 1]
+        left_to_right, right_to_left = _held(shape, splits), _held(shape, plain + strided)
+        for dim, (left, right) in enumerate(zip(left_to_right, right_to_left, strict=True)):
+            if left != right:
+                return dim
+    return None
 
 
 def index_runs(shape: Sequence[int], indices: Sequence[list[range]]) -> list[Run]:
@@ -148,6 +164,46 @@ def index_runs(shape: Sequence[int], indices: Sequence[list[range]]) -> list[Run
             runs.append(Run(base + block.start * strides[split], count, offset))
             offset += count
     return runs
+
+
+class _Split(NamedTuple):
+    """What one placement keeps along ``dim``: piece ``index`` of ``pieces`` of each of ``split_factor`` parts."""
+
+    dim: int
+    pieces: int
+    index: int
+    split_factor: int
+
+
+def _splits(
+    shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[object]
+) -> list[_Split] | None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    splits = []
+    for mesh_dim, placement in enumerate(placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) not in (Shard, _StridedShard) or not -len(shape) <= placement.dim < len(shape):
+            return None
+        split_factor = int(placement.split_factor) if type(placement) is _StridedShard else 1
+        splits.append(_Split(placement.dim % len(shape), mesh_shape[mesh_dim], coordinate[mesh_dim], split_factor))
+    return splits
+
+
+def _held(shape: Sequence[int], splits: Sequence[_Split]) -> tuple[list[range], ...]:
+    """The index ranges per dimension that remain after ``splits``, applied in order to the whole tensor."""
+    held = [[range(size)] if size else [] for size in shape]
+    for split in splits:
+        length = _length(held[split.dim])
+        kept = []
+        for part in range(split.split_factor):
+            part_start, part_stop = _chunk(length, split.split_factor, part)
+            start, stop = _chunk(part_stop - part_start, split.pieces, split.index)
+            kept.extend(_select(held[split.dim], part_start + start, part_start + stop))
+        held[split.dim] = _merged(kept)
+    return tuple(held)
 
 
 def _chunk(length: int, pieces: int, index: int) -> tuple[int, int]:
@@ -194,6 +250,12 @@ def _dtensor_target(name: str, dtensor: Tensor, param: Tensor | None, collected:
     indices = local_indices(shape, mesh.shape, coordinate, placements) if coordinate is not None else None
     if indices is None:
         raise ShardLocalUnsupported(f"the parameter {name!r} is a DTensor with placements {placements}")
+    ambiguous = ambiguous_strided_dim(shape, tuple(mesh.shape), placements)
+    if ambiguous is not None:
+        raise ShardLocalUnsupported(
+            f"the parameter {name!r} is a DTensor with placements {placements}, which torch reads in two ways for"
+            f" {shape[ambiguous]} indices of dimension {ambiguous} over the mesh {tuple(mesh.shape)}"
+        )
     local = dtensor.to_local()
     local_shape = tuple(_length(ranges) for ranges in indices)
     if tuple(local.shape) != local_shape or not local.is_contiguous():

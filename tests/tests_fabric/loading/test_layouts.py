@@ -317,17 +317,41 @@ def _chunk_or_empty(tensor: torch.Tensor, pieces: int, index: int) -> torch.Tens
     return chunks[index] if index < len(chunks) else tensor[:0]
 
 
-@pytest.mark.parametrize("rows", range(13))
-def test_strided_indices_are_what_fully_shard_holds_over_column_wise_tensor_parallel(rows):
-    """``fully_shard`` chunks each tensor-parallel shard of rows over the data-parallel ranks (``[dp, tp]`` mesh)."""
-    from lightning_fsdp.loading.fsdp2_layout import local_indices
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (3, 2), (2, 3), (4, 2), (2, 2, 2)], ids=str)
+def test_strided_indices_are_what_fully_shard_holds_or_refused(mesh_shape):
+    """``fully_shard`` chunks each rank's tensor-parallel rows over the data-parallel ranks (the ``[dp, tp]`` or, with
+    HSDP, ``[replicate, dp, tp]`` mesh): the indices must be those, or the layout must be refused on every rank."""
+    from lightning_fsdp.loading.fsdp2_layout import ambiguous_strided_dim, local_indices
 
-    placements = _placements(("T0/2", "S0"))
-    for tp, dp in itertools.product(range(2), range(2)):
-        tensor_parallel_shard = _chunk_or_empty(torch.arange(rows), 2, tp)
-        expected = _chunk_or_empty(tensor_parallel_shard, 2, dp).tolist()
-        (indices,) = local_indices((rows,), (2, 2), (dp, tp), placements)
-        assert [i for block in indices for i in block] == expected, (dp, tp)
+    *replicate, dp, tp = mesh_shape
+    placements = tuple(_placements(("R",) * len(replicate) + (f"T0/{tp}", "S0")))
+    refused = 0
+    for rows in range(40):
+        agree = True
+        for coordinate in itertools.product(*(range(size) for size in mesh_shape)):
+            tensor_parallel_rows = _chunk_or_empty(torch.arange(rows), tp, coordinate[-1])
+            expected = _chunk_or_empty(tensor_parallel_rows, dp, coordinate[-2]).tolist()
+            (indices,) = local_indices((rows,), mesh_shape, coordinate, placements)
+            agree = agree and [i for block in indices for i in block] == expected
+        ambiguous = ambiguous_strided_dim((rows,), mesh_shape, placements)
+        assert ambiguous == (None if agree else 0), rows
+        refused += not agree
+        if rows % (dp * tp) == 0:
+            assert agree, rows  # even sizes always load shard-locally
+    assert (refused > 0) == (dp > 2), refused  # over two data-parallel ranks the readings always agree
+
+
+def test_strided_layout_that_torch_reads_two_ways_is_refused():
+    from lightning_fsdp.loading.fsdp2_layout import ambiguous_strided_dim, local_indices
+
+    placements = tuple(_placements(("T0/2", "S0")))
+    # 7 rows over a 3 x 2 mesh: fully_shard gives rank (2, 0) nothing and (2, 1) row 6, the placements the reverse
+    assert local_indices((7, 4), (3, 2), (2, 0), placements) == ([range(6, 7)], [range(4)])
+    assert local_indices((7, 4), (3, 2), (2, 1), placements) == ([], [range(4)])
+    assert ambiguous_strided_dim((7, 4), (3, 2), placements) == 0
+    assert ambiguous_strided_dim((4, 7), (3, 2), tuple(_placements(("T1/2", "S1")))) == 1
+    assert ambiguous_strided_dim((6, 4), (3, 2), placements) is None
+    assert ambiguous_strided_dim((7, 4), (3, 2), tuple(_placements(("S0", "S0")))) is None  # no strided shard
 
 
 def test_dtensor_indices_runs_of_a_strided_weight():
@@ -356,3 +380,50 @@ def test_dtensor_indices_refuse_unknown_placements():
     assert local_indices((4, 4), (2,), (0,), [Partial()]) is None
     assert local_indices((4, 4), (2, 2), (0, 0), [Shard(0), Partial()]) is None
     assert local_indices((4,), (2,), (0,), [Shard(1)]) is None  # no such dimension
+
+
+def _fully_shard_like_parameter(full: torch.Tensor, mesh_shape: tuple[int, int]) -> tuple[nn.Module, torch.Tensor]:
+    """A module with an unset weight shaped like this rank's part of ``full`` that ``fully_shard`` over
+    ``ColwiseParallel`` holds, and that part."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    dp, tp = mesh_shape
+    # Names per rank: DTensor caches meshes by their layout and names, which every fake rank shares otherwise.
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=(f"dp{rank}", f"tp{rank}"))
+    dp_rank, tp_rank = mesh.get_coordinate()
+    expected = _chunk_or_empty(_chunk_or_empty(full, tp, tp_rank), dp, dp_rank).clone()
+    local = torch.full_like(expected, -1)
+    placements = _placements((f"T0/{tp}", "S0"))
+    module = nn.Module()
+    module.weight = nn.Parameter(
+        DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    )
+    return module, expected
+
+
+@pytest.mark.parametrize(("rows", "mesh_shape"), [(7, (2, 2)), (5, (2, 2)), (7, (3, 2))])
+def test_collect_dtensor_targets_copies_strided_rows_or_refuses_on_every_rank(rows, mesh_shape):
+    from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets
+    from lightning_fsdp.loading.shard_local import ShardLocalUnsupported
+
+    full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+    refusals = []
+    for rank in range(math.prod(mesh_shape)):
+        with _fake_rank(rank, math.prod(mesh_shape)):
+            module, expected = _fully_shard_like_parameter(full, mesh_shape)
+            try:
+                collected = collect_dtensor_targets(module)
+            except ShardLocalUnsupported as reason:
+                refusals.append(str(reason))
+                continue
+            source = DictSource({"weight": full})
+            copy_into_module(collected, plan_load(collected.specs(), source.specs(), strict=True), source)
+            assert torch.equal(module.weight.to_local(), expected), rank
+    if mesh_shape == (3, 2):  # torch reads these placements in two ways: every rank falls back, none guesses
+        assert len(refusals) == 6
+        assert "which torch reads in two ways for 7 indices of dimension 0 over the mesh (3, 2)" in refusals[0]
+    else:
+        assert not refusals
