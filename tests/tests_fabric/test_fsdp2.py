@@ -3,7 +3,9 @@
 Each rank copies its own slice of every tensor into its ``DTensor`` shards; the gathered model (and Adam's state)
 must equal the checkpoint bit for bit, training must resume with the losses of the uninterrupted run, and the loader
 must not fall back to upstream's broadcasting path. The model has a parameter of 5 rows (3 and 2 over two ranks) and
-one of a single row (an empty shard on rank 1).
+one of a single row (an empty shard on rank 1). FSDP x tensor parallel on a 2 x 2 mesh shards the tensor-parallel rows
+strided (``_StridedShard``): each rank holds a piece of every tensor-parallel shard, uneven for the 5 rows of
+``narrow`` (2 + 1 and 1 + 1 rows).
 """
 
 from pathlib import Path
@@ -46,12 +48,17 @@ class _Model(nn.Module):
 def _parallelize(layout: str):
     def parallelize(model: nn.Module, device_mesh) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         if layout in ("tensor_parallel", "fsdp_tensor_parallel"):  # fc_in's rows, fc_out's columns: a run per row
             plan = {"fc_in": ColwiseParallel(), "fc_out": RowwiseParallel()}
             for block in model.blocks:
                 parallelize_module(block, device_mesh["tensor_parallel"], plan)
+            # Uneven rows: 3 and 2, then FSDP's pieces of those
+            parallelize_module(
+                model, device_mesh["tensor_parallel"], {"narrow": ColwiseParallel(output_layouts=Replicate())}
+            )
             if layout == "tensor_parallel":
                 return model
         # HSDP on the 2-D mesh: replicated across its first dimension, sharded across the second
@@ -137,9 +144,8 @@ def _full_checkpoints(checkpoint_dir: str, configs: list[str], devices: int) -> 
         state = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
         assert fabric.load(path, state) == {}
         assert state["step"] == 2
-        if name == "fsdp_tensor_parallel":  # FSDP over tensor-parallel rows shards them strided: upstream's path
-            assert any("_StridedShard" in reason for reason in loader._warned_fallbacks), loader._warned_fallbacks
-            loader._warned_fallbacks.clear()
+        if name == "fsdp_tensor_parallel":
+            _assert_strided(fresh_model)
         assert not loader._warned_fallbacks, f"{name}: fell back: {loader._warned_fallbacks}"
         try:
             assert_same_state(_full_state(fresh_model, fresh_optimizer), saved)
@@ -149,6 +155,17 @@ def _full_checkpoints(checkpoint_dir: str, configs: list[str], devices: int) -> 
         assert resumed_losses == expected_losses, f"{name}: {resumed_losses} != {expected_losses}"
         done.append(name)
     return done
+
+
+def _assert_strided(model: nn.Module) -> None:
+    """The layout under test is really there: FSDP shards the tensor-parallel rows of ``narrow`` strided."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    weight = model.narrow.weight
+    assert type(weight.placements[0]) is _StridedShard, weight.placements
+    # 5 rows: 3 and 2 over tensor parallel, then 2 + 1 and 1 + 1 over FSDP
+    rows = 2 if tuple(weight.device_mesh.get_coordinate()) == (0, 0) else 1
+    assert weight.to_local().shape == (rows, 16)
 
 
 def test_full_checkpoint_with_adam_loads_bit_exact_and_resumes(tmp_path):
@@ -163,12 +180,14 @@ def test_2d_meshes_full_checkpoint_loads_bit_exact_and_resumes(tmp_path):
     assert results == [configs] * 4
 
 
-def _raw_files(paths: dict[str, str], reference_path: str) -> list[str]:
+def _raw_files(paths: dict[str, str], reference_path: str, devices: int, layout: str) -> list[str]:
     reference = torch.load(reference_path, weights_only=True)
-    fabric = _fabric(2)
+    fabric = _fabric(devices, layout)
     done = []
     for fmt, path in paths.items():
         model, _ = _make(fabric, seed=5)
+        if layout == "fsdp_tensor_parallel":
+            _assert_strided(model)
         fabric.load_raw(path, model)
         assert not loader._warned_fallbacks, f"{fmt}: fell back: {loader._warned_fallbacks}"
         try:
@@ -180,7 +199,8 @@ def _raw_files(paths: dict[str, str], reference_path: str) -> list[str]:
     return done
 
 
-def test_raw_files_load_bit_exact(tmp_path):
+@pytest.mark.parametrize(("devices", "layout"), [(2, "fsdp"), (4, "fsdp_tensor_parallel")])
+def test_raw_files_load_bit_exact(tmp_path, devices, layout):
     torch.manual_seed(3)
     model = _Model()
     state_dict = model.state_dict()
@@ -188,8 +208,10 @@ def test_raw_files_load_bit_exact(tmp_path):
         reference = {"state": state_dict, "loss": _loss(model, 7)}
     torch.save(reference, tmp_path / "reference.pt")
     paths = {fmt: str(write_checkpoint(state_dict, tmp_path / fmt, fmt)) for fmt in FORMATS}
-    results = run_distributed(_raw_files, paths, str(tmp_path / "reference.pt"), devices=2, timeout=300)
-    assert results == [list(paths)] * 2
+    results = run_distributed(
+        _raw_files, paths, str(tmp_path / "reference.pt"), devices, layout, devices=devices, timeout=300
+    )
+    assert results == [list(paths)] * devices
 
 
 def _shape_mismatch(path: str) -> str:

@@ -1,19 +1,26 @@
 """The FSDP2 layout: which ranges of which checkpoint tensors this rank holds in a model of ``DTensor`` parameters.
 
 FSDP2 (``fully_shard``) and tensor parallelism replace each parameter with a ``DTensor``: a local tensor on every rank
-and, per dimension of the device mesh, a placement (``Shard(dim)`` splits a tensor dimension into chunks like
-:func:`torch.chunk`, the last ones smaller or empty; ``Replicate()`` keeps it whole). The local tensor is therefore one
-box of the full tensor; its rows of whole inner dimensions are contiguous ranges of the flattened checkpoint tensor:
-one range for a ``Shard(0)`` parameter, one per row for ``Shard(1)``. Optimizer states are ``DTensor`` objects with
-the parameter's mesh and placements. Placements this layout does not know (``Partial``, strided shards) make the loader
-fall back to upstream's path.
+and, per dimension of the device mesh, a placement. ``Shard(dim)`` splits a tensor dimension into chunks like
+:func:`torch.chunk`, the last ones smaller or empty; ``Replicate()`` keeps it whole; ``_StridedShard(dim,
+split_factor)`` is what ``fully_shard`` gives a dimension that tensor parallelism already shards (FSDP x TP on a 2-D
+mesh): the rank holds its chunk of each of ``split_factor`` consecutive parts of the dimension. Layouts built of
+these are served shard-locally (FSDP, HSDP, tensor parallelism alone, FSDP x TP, uneven and empty shards): per
+dimension the local tensor holds a few ranges of global indices, so its elements are runs of the flattened
+checkpoint tensor (one per range of rows when only dimension 0 is sharded, one per row and range of columns when
+dimension 1 is) that every source format reads alike. Optimizer states are ``DTensor`` objects with the parameter's
+mesh and placements. Other placements (``Partial``), a ``_StridedShard`` layout that torch itself reads in two ways
+(uneven sizes when FSDP shards over three or more ranks: :func:`ambiguous_strided_dim`), and a local tensor that is
+not contiguous or not of the shape its placements give make the loader fall back to upstream's path.
 
 Upstream destination: ``src/lightning/fabric/strategies/model_parallel.py`` (module-level helpers).
 """
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -42,7 +49,7 @@ def has_dtensor_params(module: Module) -> bool:
 
 
 def collect_dtensor_targets(module: Module) -> ModuleTargets:
-    """Every tensor of ``module`` that a checkpoint fills, with the box of it that this rank's local tensor holds.
+    """Every tensor of ``module`` that a checkpoint fills, with the part of it that this rank's local tensor holds.
 
     Units that hold their unsharded parameters at the moment (``reshard_after_forward=False`` after a forward) are
     resharded first: that frees the gathered copy without a collective, and the next forward gathers the loaded
@@ -84,57 +91,152 @@ def collect_dtensor_targets(module: Module) -> ModuleTargets:
     return collector.collected
 
 
-def local_box(
+def local_indices(
     shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[object]
-) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The shape and offset of the box of a tensor of ``shape`` that the rank at ``coordinate`` of the mesh holds.
+) -> tuple[list[range], ...] | None:
+    """Per dimension of a tensor of ``shape``, the global indices that the rank at ``coordinate`` of the mesh holds.
 
-    ``Shard(dim)`` splits the box held so far along ``dim`` into ``torch.chunk`` pieces (mesh dimensions in order);
-    ``Replicate()`` keeps it. Returns ``None`` for any other placement.
-
-    """
-    from torch.distributed.tensor import Replicate, Shard
-
-    size = list(shape)
-    offset = [0] * len(shape)
-    for mesh_dim, placement in enumerate(placements):
-        if type(placement) is Replicate:
-            continue
-        if type(placement) is not Shard or not -len(shape) <= placement.dim < len(shape):
-            return None  # Partial, strided shards (FSDP over a tensor-parallel dim 0), ...
-        dim = placement.dim % len(shape)
-        chunk = math.ceil(size[dim] / mesh_shape[mesh_dim])
-        start = min(coordinate[mesh_dim] * chunk, size[dim])
-        stop = min(start + chunk, size[dim])
-        offset[dim] += start
-        size[dim] = stop - start
-    return tuple(size), tuple(offset)
-
-
-def box_runs(shape: Sequence[int], box_shape: Sequence[int], box_offset: Sequence[int]) -> list[Run]:
-    """The runs that copy a box of a row-major tensor of ``shape`` into a contiguous tensor of ``box_shape``.
-
-    Trailing dimensions that the box holds whole merge into each run, so a box of whole rows is a single run.
+    The placements apply left to right, one per mesh dimension, each to the indices held so far: ``Replicate()``
+    keeps them, ``Shard(dim)`` keeps the rank's ``torch.chunk`` piece of them along ``dim`` (the last pieces smaller or
+    empty), and ``_StridedShard(dim, split_factor)`` chunks them into ``split_factor`` pieces, chunks each of those
+    like ``Shard`` and keeps the rank's part of every one, in order. The indices of a dimension come back as maximal
+    ascending ranges, in the order of the local tensor. Returns ``None`` for any other placement (``Partial``).
 
     """
-    if math.prod(box_shape) == 0:
+    splits = _splits(shape, mesh_shape, coordinate, placements)
+    return None if splits is None else _held(shape, splits)
+
+
+@functools.lru_cache(maxsize=1024)
+def ambiguous_strided_dim(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[object, ...]
+) -> int | None:
+    """The first dimension whose indices :func:`local_indices` and ``fully_shard`` place differently on some rank.
+
+    ``fully_shard`` over a tensor-parallel parameter chunks each rank's tensor-parallel shard (right to left: the
+    plain shards first, then its own), and describes that with a ``_StridedShard`` placement, which
+    ``distribute_tensor`` and :func:`local_indices` read left to right. The two readings agree for sizes that divide
+    evenly and whenever FSDP shards over two ranks, but not always (7 rows over a 3 x 2 mesh: ``fully_shard`` leaves
+    rank (2, 0) no row and gives (2, 1) row 6, the placements the reverse), so the loader serves a ``_StridedShard``
+    only where they agree on every rank: the answer depends on the shape, mesh and placements alone, so every rank
+    takes the same path. Returns ``None`` where they agree (or the placements have no ``_StridedShard``, or one that
+    :func:`local_indices` does not know).
+
+    """
+    sharding = [mesh_dim for mesh_dim, placement in enumerate(placements) if hasattr(placement, "dim")]
+    coordinates = itertools.product(*(range(size) if dim in sharding else (0,) for dim, size in enumerate(mesh_shape)))
+    for coordinate in coordinates:
+        splits = _splits(shape, mesh_shape, coordinate, placements)
+        if splits is None or all(split.split_factor == 1 for split in splits):
+            return None
+        plain = [split for split in splits if split.split_factor == 1]
+        strided = [split._replace(split_factor=1) for split in reversed(splits) if split.split_factor > 1]
+        left_to_right, right_to_left = _held(shape, splits), _held(shape, plain + strided)
+        for dim, (left, right) in enumerate(zip(left_to_right, right_to_left, strict=True)):
+            if left != right:
+                return dim
+    return None
+
+
+def index_runs(shape: Sequence[int], indices: Sequence[list[range]]) -> list[Run]:
+    """The runs that copy the indices of a row-major tensor of ``shape`` into a contiguous local tensor.
+
+    ``indices`` gives, per dimension, the ranges of global indices that the local tensor holds (as
+    :func:`local_indices` returns them). Trailing dimensions held whole merge into each run, so a ``Shard(0)`` part is
+    one run per range of rows; the local offsets follow each other in the local tensor's row-major order.
+
+    """
+    if any(not ranges for ranges in indices):
         return []
     if not shape:
         return [Run(0, 1, 0)]
     split = len(shape) - 1  # the outermost dimension that runs do not iterate over
-    while split > 0 and box_shape[split] == shape[split]:
+    while split > 0 and indices[split] == [range(shape[split])]:
         split -= 1
     strides = [math.prod(shape[dim + 1 :]) for dim in range(len(shape))]
-    count = box_shape[split] * strides[split]
+    outer = [itertools.chain.from_iterable(indices[dim]) for dim in range(split)]
     runs = []
-    outer = [range(box_offset[dim], box_offset[dim] + box_shape[dim]) for dim in range(split)]
-    for position, index in enumerate(itertools.product(*outer)):
-        start = (
-            sum(i * stride for i, stride in zip(index, strides[:split], strict=True))
-            + box_offset[split] * strides[split]
-        )
-        runs.append(Run(start, count, position * count))
+    offset = 0
+    for index in itertools.product(*outer):
+        base = sum(i * stride for i, stride in zip(index, strides[:split], strict=True))
+        for block in indices[split]:
+            count = len(block) * strides[split]
+            runs.append(Run(base + block.start * strides[split], count, offset))
+            offset += count
     return runs
+
+
+class _Split(NamedTuple):
+    """What one placement keeps along ``dim``: piece ``index`` of ``pieces`` of each of ``split_factor`` parts."""
+
+    dim: int
+    pieces: int
+    index: int
+    split_factor: int
+
+
+def _splits(
+    shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int], placements: Sequence[object]
+) -> list[_Split] | None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    splits = []
+    for mesh_dim, placement in enumerate(placements):
+        if type(placement) is Replicate:
+            continue
+        if type(placement) not in (Shard, _StridedShard) or not -len(shape) <= placement.dim < len(shape):
+            return None
+        split_factor = int(placement.split_factor) if type(placement) is _StridedShard else 1
+        splits.append(_Split(placement.dim % len(shape), mesh_shape[mesh_dim], coordinate[mesh_dim], split_factor))
+    return splits
+
+
+def _held(shape: Sequence[int], splits: Sequence[_Split]) -> tuple[list[range], ...]:
+    """The index ranges per dimension that remain after ``splits``, applied in order to the whole tensor."""
+    held = [[range(size)] if size else [] for size in shape]
+    for split in splits:
+        length = _length(held[split.dim])
+        kept = []
+        for part in range(split.split_factor):
+            part_start, part_stop = _chunk(length, split.split_factor, part)
+            start, stop = _chunk(part_stop - part_start, split.pieces, split.index)
+            kept.extend(_select(held[split.dim], part_start + start, part_start + stop))
+        held[split.dim] = _merged(kept)
+    return tuple(held)
+
+
+def _chunk(length: int, pieces: int, index: int) -> tuple[int, int]:
+    """Start and stop of piece ``index`` of ``length`` items cut like ``torch.chunk`` (empty pieces at the end)."""
+    size = -(-length // pieces)
+    start = min(index * size, length)
+    return start, min(start + size, length)
+
+
+def _length(ranges: list[range]) -> int:
+    return sum(len(block) for block in ranges)
+
+
+def _select(ranges: list[range], start: int, stop: int) -> list[range]:
+    """The ranges of the items at positions ``start`` to ``stop`` of the sequence that ``ranges`` concatenate."""
+    selected = []
+    position = 0
+    for block in ranges:
+        low, high = max(start - position, 0), min(stop - position, len(block))
+        if low < high:
+            selected.append(block[low:high])
+        position += len(block)
+    return selected
+
+
+def _merged(ranges: list[range]) -> list[range]:
+    merged: list[range] = []
+    for block in ranges:
+        if merged and merged[-1].stop == block.start:
+            merged[-1] = range(merged[-1].start, block.stop)
+        else:
+            merged.append(block)
+    return merged
 
 
 def _dtensor_target(name: str, dtensor: Tensor, param: Tensor | None, collected: ModuleTargets) -> Target:
@@ -145,24 +247,30 @@ def _dtensor_target(name: str, dtensor: Tensor, param: Tensor | None, collected:
     placements = tuple(dtensor.placements)
     coordinate = mesh.get_coordinate()
     shape = tuple(dtensor.shape)
-    box = local_box(shape, mesh.shape, coordinate, placements) if coordinate is not None else None
-    if box is None:
+    indices = local_indices(shape, mesh.shape, coordinate, placements) if coordinate is not None else None
+    if indices is None:
         raise ShardLocalUnsupported(f"the parameter {name!r} is a DTensor with placements {placements}")
+    ambiguous = ambiguous_strided_dim(shape, tuple(mesh.shape), placements)
+    if ambiguous is not None:
+        raise ShardLocalUnsupported(
+            f"the parameter {name!r} is a DTensor with placements {placements}, which torch reads in two ways for"
+            f" {shape[ambiguous]} indices of dimension {ambiguous} over the mesh {tuple(mesh.shape)}"
+        )
     local = dtensor.to_local()
-    box_shape, box_offset = box
-    if tuple(local.shape) != box_shape or not local.is_contiguous():
+    local_shape = tuple(_length(ranges) for ranges in indices)
+    if tuple(local.shape) != local_shape or not local.is_contiguous():
         raise ShardLocalUnsupported(
             f"the local tensor of {name!r} has shape {tuple(local.shape)} where its placements {placements} give"
-            f" {box_shape}"
+            f" {local_shape}"
         )
-    runs = box_runs(shape, box_shape, box_offset)
+    runs = index_runs(shape, indices)
     target = Target([name], shape, dtensor.dtype, local=local.view(-1), runs=runs)
     if param is not None:
         global_stride = dtensor.stride()
 
         def to_state(flat: Tensor) -> Tensor:
             return DTensor.from_local(
-                flat.view(box_shape), mesh, placements, run_check=False, shape=torch.Size(shape), stride=global_stride
+                flat.view(local_shape), mesh, placements, run_check=False, shape=torch.Size(shape), stride=global_stride
             )
 
         collected.optimizer_params[id(param)] = OptimizerParam(local.numel(), [(target, runs)], to_state)
