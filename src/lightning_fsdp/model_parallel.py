@@ -16,8 +16,8 @@
 Upstream destination: ``src/lightning/fabric/strategies/model_parallel.py``.
 """
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -38,6 +38,13 @@ from lightning_fsdp.devices import (
     _own_cuda_device,
 )
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
+from lightning_fsdp.loading.materialize import (
+    InitRecord,
+    MetaMaterializer,
+    attach_init_record,
+    has_meta_tensors,
+    shared_tensor_names,
+)
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
 
@@ -131,7 +138,16 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
-        """Upstream's method (``parallelize_fn``, then meta tensors materialised), with placement checked around it.
+        """Applies ``parallelize_fn`` to the model, and materialises a model created on the meta device.
+
+        Upstream's method, except for a model created on the meta device (``fabric.init_module(empty_init=True)``)
+        that ``parallelize_fn`` left there: instead of upstream's ``to_empty()`` and ``reset_parameters()``, each
+        ``DTensor`` parameter is allocated as its local shard on the rank's device, tensors that two modules share
+        stay one tensor, and each module is initialised by the model's own initialisation (``_init_weights`` of a
+        Hugging Face model, which also computes buffers such as RoPE's ``inv_freq``) and by ``reset_parameters()``
+        where that leaves a tensor unwritten; a module without either is allowed. Tensors that ``parallelize_fn``
+        materialised keep their values. Floating-point tensors that nothing wrote are filled with NaN, and a load
+        that leaves any of them unwritten warns, naming them.
 
         Before ``parallelize_fn`` and after the module is set up, no parameter or buffer may live on a CUDA device other
         than the rank's own; a ``DTensor`` is checked by its local shard. CPU and meta tensors are allowed.
@@ -139,7 +155,10 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         """
         strategy = type(self).__name__
         _check_placement(module, self.root_device, where="before `parallelize_fn`", strategy=strategy)
-        module = super().setup_module(module)
+        record = InitRecord(ties=shared_tensor_names(module))
+        with _materializing_after_parallelize(self, record):
+            module = super().setup_module(module)
+        attach_init_record(module, record)
         _check_placement(module, self.root_device, where="after `parallelize_fn`", strategy=strategy)
         return module
 
@@ -195,6 +214,31 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
     def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
         return load_options(self, rename)
+
+
+@contextmanager
+def _materializing_after_parallelize(strategy: ModelParallelStrategy, record: InitRecord) -> Iterator[None]:
+    """Materialise the model as soon as ``parallelize_fn`` returns it, inside upstream's ``setup_module``.
+
+    Upstream's ``setup_module`` then finds nothing left on the meta device to materialise its way. What nothing
+    initialised goes into ``record``.
+
+    """
+    parallelize_fn = strategy._parallelize_fn
+
+    def parallelize_and_materialize(module: Module, device_mesh: "DeviceMesh") -> Module:
+        module = parallelize_fn(module, device_mesh)
+        if isinstance(module, Module) and has_meta_tensors(module):  # anything else: upstream raises its error
+            materializer = MetaMaterializer(module, strategy.root_device)
+            materializer.materialize(module)
+            record.uninitialized = materializer.uninitialized()
+        return module
+
+    strategy._parallelize_fn = parallelize_and_materialize
+    try:
+        yield
+    finally:
+        strategy._parallelize_fn = parallelize_fn
 
 
 def _distributed_module_key(state: dict[str, Any]) -> str:

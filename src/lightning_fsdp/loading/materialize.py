@@ -11,34 +11,41 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Materialise a model created on the meta device while FSDP wraps it, and remember what nothing initialised.
+"""Materialise a model created on the meta device while it is sharded, and remember what nothing initialised.
 
-``fabric.init_module(empty_init=True)`` creates every tensor on the meta device; FSDP materialises each unit as it
-wraps it, by calling ``reset_parameters()`` of every module that holds tensors. That fails for modules that have no
-such method (a Hugging Face ``LlamaRMSNorm``), and ``to_empty`` module by module unties weights that two modules
-share. :class:`MetaMaterializer` is FSDP's ``param_init_fn`` instead: for each module it allocates the tensors on the
-rank's device, reusing the tensor already allocated for one that two modules share, then runs the module's
+``fabric.init_module(empty_init=True)`` creates every tensor on the meta device. FSDP1 materialises each unit as it
+wraps it, by calling ``reset_parameters()`` of every module that holds tensors; Fabric's ``ModelParallelStrategy``
+(FSDP2, tensor parallelism) calls ``to_empty`` and ``reset_parameters()`` after ``parallelize_fn``. Both leave a
+module without such a method (a Hugging Face ``LlamaRMSNorm``, a rotary embedding whose ``inv_freq`` is a
+non-persistent buffer) holding arbitrary memory, and ``to_empty`` unties weights that two modules share.
+:class:`MetaMaterializer` replaces both: for each module it allocates the tensors on the rank's device (a ``DTensor``
+as its local shard only), reusing the tensor already allocated for one that two modules share, then runs the module's
 initialisation: the model's own (``_init_weights`` of the Hugging Face model that contains it), then
-``reset_parameters()`` if that left a tensor unwritten. It records which tensors each initialisation wrote; those
-that none did are filled with NaN (floating point) and named in an :class:`InitRecord` on the wrapped module, which
-the loader reads to warn about what a load left uninitialised, and to advise re-tying a missing tied weight.
+``reset_parameters()`` if that left a tensor unwritten. Tensors of the module that were materialised before (by the
+user) keep their values. It records which tensors each initialisation wrote; those that none did are filled with NaN
+(floating point) and named in an :class:`InitRecord` on the set-up module, which the loader reads to warn about what a
+load left uninitialised, and to advise re-tying a missing tied weight.
 
-It lives with the loading code because the loader reads its record; the strategy only creates it.
+It lives with the loading code because the loader reads its record; the strategies only create it.
 
 Upstream destination: ``src/lightning/fabric/utilities/checkpoint_loading/materialize.py``, used by
-``FSDPStrategy.setup_module`` in ``src/lightning/fabric/strategies/fsdp.py`` (its default ``param_init_fn``).
+``FSDPStrategy.setup_module`` in ``src/lightning/fabric/strategies/fsdp.py`` (its default ``param_init_fn``) and by
+``ModelParallelStrategy.setup_module`` in ``src/lightning/fabric/strategies/model_parallel.py`` (instead of
+``_materialize_distributed_module``).
 """
 
 import sys
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.nn import Module, Parameter
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.nn import Embedding, Module, Parameter
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from lightning_fsdp.loading.fsdp2_layout import ambiguous_strided_dim, local_indices
 from lightning_fsdp.loading.shard_local import clean_name, join
 
 _RECORD_ATTRIBUTE = "_lightning_fsdp_init_record"
@@ -94,13 +101,15 @@ class _Materialized:
 
 
 class MetaMaterializer:
-    """FSDP's ``param_init_fn`` for a model created on the meta device; see the module's docstring.
+    """Materialises a model created on the meta device, module by module; see the module's docstring.
 
-    FSDP calls it once per module of each unit it wraps, parents before children. Tied tensors stay tied within a
-    unit (the only place where FSDP1 supports them). Modules whose tensors are all materialised already are skipped.
+    As FSDP1's ``param_init_fn`` it is called once per module of each unit that FSDP wraps, parents before children;
+    tied tensors stay tied within a unit (the only place where FSDP1 supports them). For a model that FSDP2 or tensor
+    parallelism sharded on the meta device, :meth:`materialize` does the whole model at once. Modules whose tensors
+    are all materialised already are skipped.
 
     Args:
-        root: The model, before wrapping: the names recorded are the names of its tensors.
+        root: The model: the names recorded are the names of its tensors.
         device: Where to allocate the tensors (the rank's own device).
 
     """
@@ -114,16 +123,19 @@ class MetaMaterializer:
         self._materialized: dict[int, _Materialized] = {}
 
     def __call__(self, module: Module) -> None:
-        created = self._allocate(module)
-        if not created:
-            return
-        with torch.no_grad():
-            unwritten = self._initialize(module, created)
-            for entry in unwritten:
-                tensor = entry.tensor()
-                if tensor is not None and tensor.is_floating_point():
-                    # Uninitialised memory that reaches the logits makes them silently wrong; NaN makes them loudly so.
-                    tensor.fill_(float("nan"))
+        self._initialize(module, self._allocate(module))
+
+    def materialize(self, root: Module) -> None:
+        """Materialise every module of ``root``, a model whose parameters may be ``DTensor`` objects on meta.
+
+        Every tensor is allocated first, each ``DTensor`` as its local shard only, and FSDP2 takes the new shards as
+        its own (as after ``to_empty``); then each module is initialised, parents before children.
+
+        """
+        created = [(module, self._allocate(module)) for module in root.modules()]
+        _adopt_fsdp2_shards(root)
+        for module, entries in created:
+            self._initialize(module, entries)
 
     def uninitialized(self) -> set[str]:
         """The names of the tensors that no initialisation wrote (a later one that shares them may have)."""
@@ -140,6 +152,7 @@ class MetaMaterializer:
                 entry = self._materialized.get(id(tensor))
                 replacement = entry.tensor() if entry is not None else None
                 if replacement is None:
+                    # A DTensor's `empty_like` allocates its local shard only.
                     replacement = torch.empty_like(tensor, device=self.device)
                     if isinstance(tensor, Parameter):
                         replacement = Parameter(replacement, requires_grad=tensor.requires_grad)
@@ -150,7 +163,23 @@ class MetaMaterializer:
                 created.append(entry)
         return created
 
-    def _initialize(self, module: Module, created: list[_Materialized]) -> list[_Materialized]:
+    def _initialize(self, module: Module, created: list[_Materialized]) -> None:
+        """Initialise the tensors just allocated for ``module``; fill those that nothing wrote with NaN."""
+        if not created:
+            return
+        with torch.no_grad():
+            kept = _tensors_kept(module, created)
+            with _sharded_padding_row_zeroed_locally(module):
+                unwritten = self._run_initialization(module, created)
+            for tensor, value in kept:
+                tensor.copy_(value)
+            for entry in unwritten:
+                tensor = entry.tensor()
+                if tensor is not None and tensor.is_floating_point():
+                    # Uninitialised memory that reaches the logits makes them silently wrong; NaN makes them loudly so.
+                    tensor.fill_(float("nan"))
+
+    def _run_initialization(self, module: Module, created: list[_Materialized]) -> list[_Materialized]:
         """Run the model's initialisation, then ``reset_parameters()`` if needed; return what neither wrote."""
         unwritten = [entry for entry in created if not entry.initialized]
         steps: list[Callable[[], Any]] = []
@@ -187,18 +216,90 @@ class _WriteRecorder(TorchDispatchMode):
                 continue
             value = args[index] if index < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
             for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
-                    self._written.add(tensor.untyped_storage().data_ptr())
+                if isinstance(tensor, torch.Tensor):
+                    self._written.update(_storage_keys(tensor))
         return func(*args, **kwargs)
 
     def wrote(self, module: Module, entry: _Materialized) -> bool:
         tensor = entry.tensor()
-        if tensor is None or tensor.numel() == 0:
+        if tensor is None:
             return True
         current = [value for value in (*module._parameters.values(), *module._buffers.values()) if value is not None]
         if not any(value is tensor for value in current):
             return True  # the initialisation replaced it with a tensor of its own
-        return tensor.untyped_storage().data_ptr() in self._written
+        # No storage with elements on this rank (an empty tensor or shard): nothing here to initialise.
+        return all(key in self._written for key in _storage_keys(tensor))
+
+
+def _storage_keys(tensor: torch.Tensor) -> list[int]:
+    """The storages that hold ``tensor``'s elements on this rank: its own, or a ``DTensor``'s local shard's."""
+    if is_traceable_wrapper_subclass(tensor):
+        inner_names, _ = tensor.__tensor_flatten__()
+        inners = [getattr(tensor, name) for name in inner_names]  # a DTensor's include its device mesh
+        return [key for inner in inners if isinstance(inner, torch.Tensor) for key in _storage_keys(inner)]
+    if tensor.is_meta:
+        return []
+    storage = tensor.untyped_storage()
+    return [storage.data_ptr()] if storage.nbytes() else []
+
+
+def _tensors_kept(module: Module, created: list[_Materialized]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The module's own tensors that were materialised before (by the user), each with a copy of its values."""
+    allocated = {id(tensor) for entry in created if (tensor := entry.tensor()) is not None}
+    own = (*module._parameters.values(), *module._buffers.values())
+    return [(tensor, tensor.clone()) for tensor in own if tensor is not None and id(tensor) not in allocated]
+
+
+@contextmanager
+def _sharded_padding_row_zeroed_locally(module: Module) -> Iterator[None]:
+    """Initialise an embedding whose weight is a sharded ``DTensor`` with its padding row zeroed in the local shard.
+
+    ``nn.Embedding.reset_parameters()`` and Hugging Face's ``_init_weights`` zero ``weight[padding_idx]``; indexing a
+    ``DTensor`` that is sharded along its rows gathers the whole weight on every rank and zeroes the gathered copy,
+    so the row would keep its random values. The initialisation runs without ``padding_idx`` instead, then each rank
+    zeroes the row if its shard holds it.
+
+    """
+    from torch.distributed.tensor import DTensor
+
+    weight = module._parameters.get("weight") if isinstance(module, Embedding) else None
+    padding_idx = getattr(module, "padding_idx", None)
+    mesh = weight.device_mesh if isinstance(weight, DTensor) else None
+    coordinate = mesh.get_coordinate() if mesh is not None else None
+    held = None
+    if isinstance(weight, DTensor) and padding_idx is not None and coordinate is not None:
+        shape, placements = tuple(weight.shape), tuple(weight.placements)
+        if ambiguous_strided_dim(shape, tuple(mesh.shape), placements) is None:
+            held = local_indices(shape, mesh.shape, coordinate, placements)
+    if held is None or weight.is_meta:  # not a DTensor, or placements that only DTensor itself knows
+        yield
+        return
+    module.padding_idx = None
+    try:
+        yield
+    finally:
+        module.padding_idx = padding_idx
+    local_row = 0
+    for rows in held[0]:
+        if padding_idx in rows:
+            weight.to_local()[local_row + padding_idx - rows.start].zero_()
+        local_row += len(rows)
+
+
+def _adopt_fsdp2_shards(root: Module) -> None:
+    """Let FSDP2 take the sharded parameters just registered on its modules as its own, padding them as it needs.
+
+    FSDP2 does this itself after ``nn.Module._apply`` (``to_empty``) and in its lazy initialisation; doing it now
+    keeps its state consistent from ``setup_module`` on (a load, a ``reshard()``, a state dict before any forward).
+
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            for param_group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in param_group.fsdp_params:
+                    fsdp_param.reset_sharded_param()
 
 
 def _model_init_functions(root: Module) -> dict[int, Callable[[Module], None]]:
