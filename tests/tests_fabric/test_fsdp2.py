@@ -63,10 +63,14 @@ def _parallelize(layout: str):
                 return model
         # HSDP on the 2-D mesh: replicated across its first dimension, sharded across the second
         mesh = device_mesh if layout == "hsdp" else device_mesh["data_parallel"]
-        reshard_after_forward = layout != "no_reshard_after_forward"
+        options = {"reshard_after_forward": layout != "no_reshard_after_forward"}
+        if layout == "cpu_offload":  # on a CPU mesh the shards stay where they are; the policy's code path still runs
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=mesh, **options)
+        fully_shard(model, mesh=mesh, **options)
         return model
 
     return parallelize
@@ -169,7 +173,7 @@ def _assert_strided(model: nn.Module) -> None:
 
 
 def test_full_checkpoint_with_adam_loads_bit_exact_and_resumes(tmp_path):
-    configs = ["fsdp", "no_reshard_after_forward", "tied_weights", "tensor_parallel"]
+    configs = ["fsdp", "no_reshard_after_forward", "tied_weights", "tensor_parallel", "cpu_offload"]
     results = run_distributed(_full_checkpoints, str(tmp_path), configs, 2, devices=2, timeout=300)
     assert results == [configs] * 2
 

@@ -70,10 +70,16 @@ CHANGELOG_ENTRIES = {
         " bytes of its own shard, checked against the file's own structure",
         "Added the `load_concurrency` and `load_progress` arguments to `FSDPStrategy`",
         "Added support for running `FSDPStrategy` on CPU with the `gloo` backend",
+        "Added shard-local loading of full and raw checkpoints to `ModelParallelStrategy.load_checkpoint` (FSDP2,"
+        " HSDP, tensor parallelism and FSDP x tensor parallelism): each rank copies its own slices into its `DTensor`"
+        " shards, with no broadcast",
     ],
     "Fixed": [
-        "Fixed `FSDPStrategy` putting tensors of every rank on `cuda:0` when the cluster environment is inconsistent;"
-        " it now refuses with an error that names the values it read",
+        "Fixed `FSDPStrategy` and `ModelParallelStrategy` putting tensors of every rank on `cuda:0` when the cluster"
+        " environment is inconsistent; they now refuse with an error that names the values they read",
+        "Fixed `ModelParallelStrategy` leaving tensors of modules without `reset_parameters()` (RMSNorm weights, RoPE's"
+        " `inv_freq`) uninitialised after `fabric.init_module(empty_init=True)`: the model's own initialisation runs"
+        " on each rank's shards",
     ],
 }
 _LITERALINCLUDE = re.compile(r"^(\s*\.\. literalinclude:: )(\S+)", re.MULTILINE)
