@@ -1,4 +1,4 @@
-"""How often one `fabric.load` makes the ranks wait for each other: the path broadcast and two agreements, no more.
+"""How often one `fabric.load` makes the ranks wait for each other: the path broadcast and three agreements, no more.
 
 Collectives are counted by wrapping `torch.distributed`'s functions (the real ones run), and agreements by wrapping
 `Agreement.agree`. Fabric's own barrier after the load is counted apart: it is Fabric's, not the strategy's.
@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.loading.agreement import Agreement
@@ -69,7 +70,7 @@ def _count_synchronisations(path: str, state_keys: tuple[str, ...]) -> dict[str,
     ("fmt", "state_keys"),
     [("torch-zip", ("model",)), ("safetensors", ("model",)), ("fabric-full", ("model", "optimizer", "step"))],
 )
-def test_one_load_is_the_path_broadcast_and_two_agreements(tmp_path, fmt, state_keys):
+def test_one_load_is_the_path_broadcast_and_three_agreements(tmp_path, fmt, state_keys):
     torch.manual_seed(0)
     model = TinyTransformer()
     if fmt == "fabric-full":
@@ -83,4 +84,40 @@ def test_one_load_is_the_path_broadcast_and_two_agreements(tmp_path, fmt, state_
         path = write_checkpoint(model.state_dict(), tmp_path, fmt)
     for counts in run_distributed(_count_synchronisations, str(path), state_keys, devices=2, timeout=120):
         # Fabric's own barrier after the load is not the strategy's.
-        assert counts == {"broadcast_object_list": 1, "agreement": 2, "barrier": 1}, counts
+        # Agreements: shard-local on every rank or on none; validated before any write; copied.
+        assert counts == {"broadcast_object_list": 1, "agreement": 3, "barrier": 1}, counts
+
+
+def _load_with_one_rank_unable(path: str) -> list[str]:
+    import warnings
+
+    from lightning_fsdp.loading import loader
+    from lightning_fsdp.loading.shard_local import ShardLocalUnsupported
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = TinyTransformer()
+    model = fabric.setup_module(model)
+    if fabric.global_rank == 1:
+
+        def unsupported(module):
+            raise ShardLocalUnsupported("a layout that only rank 1 has")
+
+        loader.collect_targets = unsupported
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load_raw(path, model)
+    expected = torch.load(path, weights_only=True)
+    with FullyShardedDataParallel.summon_full_params(model):
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, expected[name.removeprefix("_forward_module.")]), name
+    return [str(warning.message) for warning in caught if "shard-locally" in str(warning.message)]
+
+
+def test_one_rank_that_cannot_load_shard_locally_takes_every_rank_to_fsdps_path(tmp_path):
+    """Otherwise the other ranks would copy their slices and wait while that rank waits in FSDP's collectives."""
+    torch.manual_seed(0)
+    path = write_checkpoint(TinyTransformer().state_dict(), tmp_path, "torch-zip")
+    warned = run_distributed(_load_with_one_rank_unable, str(path), devices=2, timeout=120)
+    assert any("another rank cannot load its part" in message for message in warned[0]), warned

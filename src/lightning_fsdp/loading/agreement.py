@@ -222,6 +222,23 @@ class Agreement:
         self._agreed_failure = _agreed_error(self._description, failures)
         raise self._agreed_failure from (error if own_failure else None)
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank: an agreement (see :meth:`agree`) that also counts the ranks that set it.
+
+        Every rank must call it at the same point. With a single process, ``flag`` itself is returned.
+
+        Raises:
+            CheckpointLoadError: If any rank failed or stopped responding, as :meth:`agree`.
+
+        """
+        if self._store is None:
+            return flag
+        key = f"any{self._agreements}"  # the agreement below takes this number: fresh keys for every call
+        if flag:
+            self.call(self._store.add, key, 1)
+        self.agree()
+        return int(self.call(self._store.add, key, 0)) > 0
+
     def wait_for(self, ready: Callable[[], bool], what: str) -> None:
         """Poll until ``ready()`` holds, raising as soon as any rank has failed or stopped responding.
 

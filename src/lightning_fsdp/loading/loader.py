@@ -105,8 +105,9 @@ _warned_fallbacks: set[str] = set()
 def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions) -> LoadResult:
     """Load the checkpoint at ``path`` into ``request.module`` (and its optimizers), the same way on every rank.
 
-    Every rank detects and opens the checkpoint and validates it against its own part of the model; the ranks agree
-    (one agreement, on the process group's store) before any rank writes, so a failure anywhere leaves every model
+    The ranks first agree whether every one of them can load its part shard-locally (if one cannot, they all take
+    FSDP's own path). Every rank detects and opens the checkpoint and validates it against its own part of the model;
+    the ranks agree (on the process group's store) before any rank writes, so a failure anywhere leaves every model
     untouched and raises the same :class:`CheckpointLoadError` on every rank. Then each rank copies only its own
     slices, and the ranks agree once more: an error in the copy (an I/O error, a file changed under the load) is raised
     on every rank, saying that the model is partially loaded. A file that must be read whole (a trusted pickle, with
@@ -128,6 +129,11 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
         description=f"Loading {str(path)!r}",
     )
     with bar, stagger, _one_error_type():
+        # FSDP's path runs collectives and the shard-local one does not: one rank that cannot serve its part
+        # shard-locally takes every rank with it, or the others would wait for it until the process group timed out.
+        if stagger.any_rank(collected is None) and collected is not None:
+            _warn_fallback("another rank cannot load its part of the model shard-locally")
+            collected = None
         detected = detect_checkpoint(path)
         if detected.format is CheckpointFormat.FABRIC_SHARDED:
             result = _load_sharded(path, request, stagger)
@@ -171,11 +177,15 @@ def _load_file(
             _apply(request, opened, collected, prepared, ranks.world_size, bar)
             opened.check_unchanged()
         except Exception as error:
+            what = (
+                "The model and optimizer on the failing rank are"
+                if request.optimizers
+                else "The model on the failing rank is"
+            )
             raise CheckpointLoadError(
-                f"Writing the checkpoint into the model failed after it was validated: {error} The model"
-                f"{' and optimizer' if request.optimizers else ''} on the failing rank are now partially loaded, and"
-                " the other ranks may have loaded fully, so the ranks differ: load the checkpoint again before using"
-                " the model."
+                f"Writing the checkpoint into the model failed after it was validated: {error} {what} now partially"
+                " loaded, and the other ranks may have loaded fully, so the ranks differ: load the checkpoint again"
+                " before using the model."
             ) from error
         requested = {key: opened.entries[key] for key in request.metadata_keys if key in opened.entries}
         remainder = {

@@ -255,6 +255,16 @@ class StaggeredLoad:
         self._agreement.agree(error)
         self._refresh_progress(force=True)
 
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (an agreement: call it outside turns, on every rank at the same point).
+
+        See :meth:`~lightning_fsdp.loading.agreement.Agreement.any_rank`.
+
+        """
+        answer = self._agreement.any_rank(flag)
+        self._refresh_progress(force=True)
+        return answer
+
     def _node_concurrency(self, node: dist.Store, source_bytes: int) -> int:
         if self._concurrency != "auto":
             return resolve_concurrency(self._concurrency, source_bytes, self._local_world_size)

@@ -87,6 +87,22 @@ def test_every_rank_returns_when_none_failed(make_store):
     assert _in_threads(3, rank_fn, make_store) == [("ok", 0), ("ok", 1), ("ok", 2)]
 
 
+def test_any_rank_tells_every_rank_whether_one_set_the_flag(make_store):
+    def rank_fn(rank: int, store: dist.Store) -> tuple[bool, bool, bool]:
+        with Agreement(store=store, rank=rank, world_size=3) as agreed:
+            time.sleep(0.05 * rank)
+            # Each call counts afresh: rank 2 alone, then nobody, then everybody.
+            return agreed.any_rank(rank == 2), agreed.any_rank(False), agreed.any_rank(True)
+
+    assert _in_threads(3, rank_fn, make_store) == [("ok", (True, False, True))] * 3
+
+
+def test_any_rank_with_a_single_process_is_the_flag():
+    with Agreement() as agreed:
+        assert agreed.any_rank(True) is True
+        assert agreed.any_rank(False) is False
+
+
 def test_a_failure_is_raised_on_every_rank_naming_the_rank(make_store):
     def rank_fn(rank: int, store: dist.Store) -> None:
         with Agreement("Reading 'x.ckpt'", store=store, rank=rank, world_size=3):
