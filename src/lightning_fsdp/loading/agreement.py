@@ -209,16 +209,17 @@ class Agreement:
         own_failure = error is not None and not _reports_others(error, self._rank)
         if own_failure:
             self.publish_failure(error)
-        key = f"agreement{self._agreements}"
+        phase = self._agreements
+        key = f"agreement{phase}"
         self._agreements += 1
         self.call(self._store.add, key, 1)
         store = self._store
-        failures = self._wait(lambda: int(store.add(key, 0)) >= self._world_size)
+        failures = self._wait(lambda: int(store.add(key, 0)) >= self._world_size, phase)
         if not failures:
             self._leave(f"{key}/read", expected=self._world_size)
             return
         # After a failure, the ranks may be at different agreements (or waiting elsewhere): they all meet here.
-        failures = self._meet_after_failure(failures)
+        failures = self._meet_after_failure(failures, phase)
         self._agreed_failure = _agreed_error(self._description, failures)
         raise self._agreed_failure from (error if own_failure else None)
 
@@ -254,7 +255,7 @@ class Agreement:
         if self._store is None:
             poll_until(ready, between=self._on_wait)
             return
-        failures = self._wait(ready)
+        failures = self._wait(ready, self._agreements)
         if failures:
             raise _agreed_error(self._description, failures, note=f"(This rank stopped waiting for {what}.)")
 
@@ -271,7 +272,7 @@ class Agreement:
         message = str(error) if isinstance(error, CheckpointLoadError) else f"{type(error).__name__}: {error}"
         if len(message) > _MAX_MESSAGE_CHARS:
             message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
-        self._append_failure(self._rank, message)
+        self._append_failure(self._rank, message, self._agreements)
 
     def call(self, operation: Callable[..., Any], *args: Any) -> Any:
         """Run one store operation; a store that cannot be reached becomes a :class:`CheckpointLoadError`.
@@ -291,8 +292,13 @@ class Agreement:
             )
             raise self._lost_store from error
 
-    def _wait(self, ready: Callable[[], bool]) -> dict[int, _Failure]:
-        """Poll until ``ready()`` holds or any rank failed or stopped responding; return the failures (or none)."""
+    def _wait(self, ready: Callable[[], bool], phase: int) -> dict[int, _Failure]:
+        """Poll until ``ready()`` holds or a rank failed or stopped responding; return those failures (or none).
+
+        Only failures up to ``phase`` count (see :meth:`_failures`): a rank that already passed this agreement may fail
+        in the next phase while a slower rank still reads this one's outcome, which was a success.
+
+        """
         assert self._liveness is not None
         liveness = self._liveness
         failures: dict[int, _Failure] = {}
@@ -300,19 +306,19 @@ class Agreement:
         def settled() -> bool:
             nonlocal failures
             is_ready = self.call(ready)
-            failures = self._failures()
+            failures = self._failures(phase)
             if not failures and not is_ready:
                 dead = self.call(liveness.unresponsive)
                 for rank in dead:
-                    self._append_failure(rank, _unresponsive_message(rank), unresponsive=True)
+                    self._append_failure(rank, _unresponsive_message(rank), phase, unresponsive=True)
                 if dead:
-                    failures = self._failures()  # the first record of each rank wins, the same on every rank
+                    failures = self._failures(phase)  # the first record of each rank wins, the same on every rank
             return is_ready or bool(failures)
 
         poll_until(settled, between=self._on_wait)
         return failures
 
-    def _meet_after_failure(self, failures: dict[int, _Failure]) -> dict[int, _Failure]:
+    def _meet_after_failure(self, failures: dict[int, _Failure], phase: int) -> dict[int, _Failure]:
         """Wait for the other ranks to learn of the failure (a few seconds at most), and read every rank's failure."""
         assert self._store is not None
         store = self._store
@@ -326,11 +332,16 @@ class Agreement:
             return arrived >= alive
 
         poll_until(everyone_arrived, timeout=_FAILURE_GRACE_S, between=self._on_wait)
-        failures = self._failures()
+        failures = self._failures(phase)
         self._leave("failed/read", expected=min(arrived, alive))
         return failures
 
-    def _failures(self) -> dict[int, _Failure]:
+    def _failures(self, phase: int) -> dict[int, _Failure]:
+        """The failures published in the phases up to ``phase``: the work before agreement ``phase``, and earlier.
+
+        A rank publishes a failure with the number of the agreement that its failing work precedes.
+
+        """
         assert self._store is not None
         if not self.call(self._store.check, ["failures"]):
             return {}
@@ -338,13 +349,15 @@ class Agreement:
         for line in self.call(self._store.get, "failures").decode("utf-8").splitlines():
             if line:
                 record = json.loads(line)
+                if int(record.get("phase", 0)) > phase:
+                    continue
                 failure = _Failure(str(record["message"]), bool(record.get("unresponsive", False)))
                 failures.setdefault(int(record["rank"]), failure)
         return failures
 
-    def _append_failure(self, rank: int, message: str, unresponsive: bool = False) -> None:
+    def _append_failure(self, rank: int, message: str, phase: int, unresponsive: bool = False) -> None:
         assert self._store is not None
-        record = json.dumps({"rank": rank, "message": message, "unresponsive": unresponsive}) + "\n"
+        record = json.dumps({"rank": rank, "message": message, "phase": phase, "unresponsive": unresponsive}) + "\n"
         # If the store is gone, so is the job: the original error is what matters.
         with suppress(RuntimeError):
             self._store.append("failures", record)

@@ -134,6 +134,32 @@ def test_failures_of_several_ranks_are_listed_by_rank(make_store):
     }
 
 
+def test_a_failure_after_an_agreement_does_not_fail_it_for_a_rank_still_reading_it(make_store):
+    """Ranks 1 and 2 pass the first agreement and fail in the work after it before rank 0 has read its outcome."""
+
+    def rank_fn(rank: int, store: dist.Store) -> None:
+        with Agreement(store=store, rank=rank, world_size=3) as agreed:
+            if rank == 0:
+                first_wait = agreed._wait
+
+                def late(*args):
+                    time.sleep(0.5)
+                    agreed._wait = first_wait
+                    return first_wait(*args)
+
+                agreed._wait = late
+            agreed.agree()
+            raise KeyError(f"after the first agreement on rank {rank}")
+
+    outcomes = _in_threads(3, rank_fn, make_store)
+    assert {str(error) for _, error in outcomes} == {
+        "Loading the checkpoint failed on ranks 0-2:\n"
+        "- rank 0: KeyError: 'after the first agreement on rank 0'\n"
+        "- rank 1: KeyError: 'after the first agreement on rank 1'\n"
+        "- rank 2: KeyError: 'after the first agreement on rank 2'"
+    }
+
+
 def test_a_waiting_rank_stops_when_another_fails(make_store):
     waits = {}
 
