@@ -83,15 +83,16 @@ def _param_state(state: Mapping[str, Any], param: OptimizerParam) -> dict[str, A
             )
         for key, value in saved.items():
             _check_state_shape(key, value, target)
+    # Elements no run writes (the padding of an FSDP1 flat shard) must be zero; filling the rest first would only
+    # write every element twice.
+    covered = sum(run.count for _, runs in param.parts for run in runs) == param.numel
+    allocate = torch.empty if covered else torch.zeros
     local: dict[str, Any] = {}
     for key, first in first_saved.items():
         if not _is_per_element(first, first_target):
             local[key] = materialize(first)
             continue
-        # Elements no run writes (the padding of an FSDP1 flat shard) must be zero; filling the rest first would
-        # only write every element twice.
-        covered = sum(run.count for _, runs in param.parts for run in runs) == param.numel
-        flat = torch.empty(param.numel, dtype=first.dtype) if covered else torch.zeros(param.numel, dtype=first.dtype)
+        flat = allocate(param.numel, dtype=first.dtype)
         for target, runs, saved in present:
             value = saved[key]
             if not _is_per_element(value, target):

@@ -174,9 +174,7 @@ class ByteRangeSource(TensorSource):
         # write; a caller that writes into a tensor autograd tracks records it (`increment_version`).
         nbytes = out.numel() * out.element_size()
         destination = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
-        file, _ = self._open(location.file)
-        offset = location.storage_offset + (location.element_offset + start) * out.element_size()
-        read_exactly(file, offset, destination, location.file, f"the tensor {name!r}")
+        self._read_into(name, location, location.element_offset + start, destination)
 
     def _read_elements(self, name: str, location: TensorLocation, first: int, count: int) -> torch.Tensor:
         dtype = location.spec.dtype
@@ -186,10 +184,14 @@ class ByteRangeSource(TensorSource):
         # Large reads get memory of their own, returned to the system as soon as the tensor is dropped: from the heap,
         # freed blocks of this size tend to stay resident and the process would grow with every read.
         buffer = mmap.mmap(-1, nbytes) if nbytes >= _OWN_MAPPING_BYTES else bytearray(nbytes)
-        file, _ = self._open(location.file)
-        offset = location.storage_offset + first * dtype.itemsize
-        read_exactly(file, offset, memoryview(buffer), location.file, f"the tensor {name!r}")
+        self._read_into(name, location, first, memoryview(buffer))
         return torch.frombuffer(buffer, dtype=dtype)
+
+    def _read_into(self, name: str, location: TensorLocation, first: int, destination: memoryview) -> None:
+        """Fill ``destination`` with the elements of ``name``'s storage from element ``first`` on."""
+        file, _ = self._open(location.file)
+        offset = location.storage_offset + first * location.spec.dtype.itemsize
+        read_exactly(file, offset, destination, location.file, f"the tensor {name!r}")
 
     def check_unchanged(self) -> None:
         for path, (file, opened) in self._files.items():
