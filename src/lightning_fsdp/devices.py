@@ -28,8 +28,8 @@ Upstream destination: the checks are not FSDP-specific, they would go to
 
 import os
 import socket
-from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -335,6 +335,16 @@ def _own_cuda_device(device: torch.device) -> AbstractContextManager:
     if device.type != "cuda":
         return nullcontext()
     return torch.cuda.device(device)
+
+
+def _init_context_on_own_device(
+    device: torch.device, make_context: Callable[[], AbstractContextManager]
+) -> AbstractContextManager:
+    """A strategy's module-init context, made and entered with ``device`` as the current CUDA device (see above)."""
+    stack = ExitStack()
+    stack.enter_context(_own_cuda_device(device))
+    stack.enter_context(make_context())
+    return stack
 
 
 def _check_placement(module: Module, device: torch.device, where: str, strategy: str = "FSDPStrategy") -> None:

@@ -16,8 +16,9 @@
 Upstream destination: ``src/lightning/fabric/strategies/model_parallel.py``.
 """
 
+import functools
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -35,7 +36,7 @@ from lightning_fsdp.devices import (
     _check_cluster_environment,
     _check_distinct_devices,
     _check_placement,
-    _own_cuda_device,
+    _init_context_on_own_device,
 )
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.materialize import (
@@ -169,10 +170,9 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         So a model that creates tensors on ``"cuda"`` inside ``fabric.init_module()`` puts them on the rank's GPU.
 
         """
-        stack = ExitStack()
-        stack.enter_context(_own_cuda_device(self.root_device))
-        stack.enter_context(super().module_init_context(empty_init=empty_init))
-        return stack
+        return _init_context_on_own_device(
+            self.root_device, functools.partial(super().module_init_context, empty_init=empty_init)
+        )
 
     @override
     def load_checkpoint(

@@ -16,8 +16,9 @@
 Upstream destination: ``src/lightning/fabric/strategies/fsdp.py``.
 """
 
+import functools
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -39,7 +40,7 @@ from lightning_fsdp.devices import (
     _check_cluster_environment,
     _check_distinct_devices,
     _check_placement,
-    _own_cuda_device,
+    _init_context_on_own_device,
 )
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import detect_checkpoint
@@ -184,10 +185,9 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         So a model that creates tensors on ``"cuda"`` inside ``fabric.init_module()`` puts them on the rank's GPU.
 
         """
-        stack = ExitStack()
-        stack.enter_context(_own_cuda_device(self.root_device))
-        stack.enter_context(super().module_init_context(empty_init=empty_init))
-        return stack
+        return _init_context_on_own_device(
+            self.root_device, functools.partial(super().module_init_context, empty_init=empty_init)
+        )
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:
