@@ -17,25 +17,12 @@ from torch import nn
 from lightning_fsdp import ModelParallelStrategy
 from lightning_fsdp.loading.materialize import MetaMaterializer, init_record
 from tests.tests_fabric.helpers.distributed import run_distributed
+from tests.tests_fabric.helpers.models import TableModel, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
 _VOCAB = 64
 _PAD = 3  # a padding row: both nn.Embedding and Hugging Face zero it
-
-
-def _config(tie: bool) -> "transformers.LlamaConfig":
-    return transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=_VOCAB,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-        pad_token_id=_PAD,
-    )
 
 
 def _parallelize(layout: str):
@@ -81,13 +68,13 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _set_up_and_load(directory: str, layout: str, tie: bool) -> dict:
     fabric = _fabric(layout)
     with fabric.init_module(empty_init=True):
-        model = transformers.LlamaForCausalLM(_config(tie))
+        model = transformers.LlamaForCausalLM(tiny_llama_config(tie, _VOCAB, _PAD))
     from torch.distributed.tensor.debug import CommDebugMode
 
     with CommDebugMode() as collectives:  # a collective here would mean gathering a parameter whole
         model = fabric.setup_module(model)
     inner = model.module
-    built_without_meta = transformers.LlamaForCausalLM(_config(tie))
+    built_without_meta = transformers.LlamaForCausalLM(tiny_llama_config(tie, _VOCAB, _PAD))
 
     after_setup = {
         "collectives_in_setup": {str(op): count for op, count in collectives.get_comm_counts().items()},
@@ -132,7 +119,8 @@ def test_empty_init_initialises_like_the_model_and_loads_exactly(tmp_path, layou
     `DTensor` a shard and none gathered whole; after loading a `save_pretrained` checkpoint, `from_pretrained`'s
     logits."""
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(_config(tie)).save_pretrained(tmp_path)  # safetensors; tied: the head once
+    # safetensors; tied: the head once
+    transformers.LlamaForCausalLM(tiny_llama_config(tie, _VOCAB, _PAD)).save_pretrained(tmp_path)
     results = run_distributed(_set_up_and_load, str(tmp_path), layout, tie, devices=2)
     for result in results:
         assert result["collectives_in_setup"] == {}
@@ -152,28 +140,6 @@ def test_empty_init_initialises_like_the_model_and_loads_exactly(tmp_path, layou
     for name, (_, numel) in sharded.items():
         assert sum(result["local_numel"][name][0] for result in results) == numel, name
         assert all(result["local_numel"][name][0] < numel for result in results), name
-
-
-class _Table(nn.Module):
-    """A module with a non-persistent buffer and no way to initialise it: no `reset_parameters`, not a HF model."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(4))
-        self.register_buffer("positions", torch.arange(4.0), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight + self.positions
-
-
-class _Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-        self.table = _Table()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.table(self.linear(x))
 
 
 def _shard_all(model: nn.Module, device_mesh) -> nn.Module:
@@ -197,7 +163,7 @@ def _load_partially(path: str, parallelize_fn) -> dict:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     with fabric.init_module(empty_init=True):
-        model = _Model()
+        model = TableModel()
     model = fabric.setup_module(model)
     table = model.module.table
     nan_after_setup = {

@@ -18,28 +18,16 @@ from lightning_fsdp.loading.materialize import MetaMaterializer
 from lightning_fsdp.loading.sources import TensorSpec
 from lightning_fsdp.loading.validation import TargetSpec, plan_load
 from tests.tests_fabric.helpers.distributed import run_distributed
+from tests.tests_fabric.helpers.models import TableModel, UninitializableTable, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
 _VOCAB = 64
 
 
-def _config(tie: bool) -> "transformers.LlamaConfig":
-    return transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=_VOCAB,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
-
-
 def _save_pretrained(directory, tie: bool) -> str:
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(_config(tie)).save_pretrained(directory)  # safetensors
+    transformers.LlamaForCausalLM(tiny_llama_config(tie, _VOCAB)).save_pretrained(directory)  # safetensors
     return str(directory)
 
 
@@ -105,33 +93,11 @@ def test_missing_tied_copy_advises_retying(tmp_path):
         assert "pass `strict=False`" not in message
 
 
-class _Table(nn.Module):
-    """A module with a non-persistent buffer and no way to initialise it: no `reset_parameters`, not a HF model."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(4))
-        self.register_buffer("positions", torch.arange(4.0), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight + self.positions
-
-
-class _Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-        self.table = _Table()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.table(self.linear(x))
-
-
 def _load_custom(path: str) -> dict:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy())
     fabric.launch()
     with fabric.init_module(empty_init=True):
-        model = _Model()
+        model = TableModel()
     model = fabric.setup_module(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -145,7 +111,7 @@ def _load_custom(path: str) -> dict:
 def test_warns_about_a_buffer_that_nothing_initialised(tmp_path):
     """The checkpoint writes `table.weight` (no init path either); only the non-persistent buffer stays unset."""
     path = tmp_path / "model.pt"
-    torch.save(_Model().state_dict(), path)
+    torch.save(TableModel().state_dict(), path)
     rank0, rank1 = run_distributed(_load_custom, str(path), devices=2)
     assert rank0["positions_nan"]
     assert rank1["positions_nan"]
@@ -159,7 +125,7 @@ class _TiedModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embedding = nn.Embedding(8, 4)
-        self.norm = _Table()
+        self.norm = UninitializableTable()
         self.head = nn.Linear(4, 8, bias=False)
         self.head.weight = self.embedding.weight
 

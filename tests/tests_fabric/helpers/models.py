@@ -1,7 +1,12 @@
 """Small models with the features that make checkpoint loading hard: wrapped blocks, tied weights, buffers."""
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 
 class Block(nn.Module):
@@ -42,6 +47,47 @@ class TinyTransformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class UninitializableTable(nn.Module):
+    """A module with a non-persistent buffer and no way to initialise it: no `reset_parameters`, not a HF model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+        self.register_buffer("positions", torch.arange(4.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.positions
+
+
+class TableModel(nn.Module):
+    """A linear, then an :class:`UninitializableTable` (``table``): what a meta-device init cannot fill on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.table = UninitializableTable()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table(self.linear(x))
+
+
+def tiny_llama_config(tie: bool, vocab: int, pad_token_id: int | None = None) -> "LlamaConfig":
+    """A Hugging Face Llama config small enough for CPU ranks (transformers must be installed)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        pad_token_id=pad_token_id,
+    )
 
 
 def make_batch(step: int, vocab: int = 37, batch: int = 4, length: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
