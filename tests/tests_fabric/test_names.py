@@ -2,6 +2,7 @@
 
 import logging
 import re
+import warnings
 
 import lightning_utilities.core.rank_zero as rank_zero_module
 import pytest
@@ -142,6 +143,47 @@ def test_nothing_in_common_gives_no_advice_that_fails(state_dict):
         plan_load(_targets(state_dict), _specs({"other.weight": torch.zeros(2)}), strict=True)
     assert "strict=False" not in str(raised.value)
     assert "rename" not in str(raised.value)
+
+
+def _with_exact_embedding(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor without the model's prefix `model.`, plus the embedding under its exact name `model.`."""
+    return {**state_dict, "model.embedding.weight": torch.full_like(state_dict["embedding.weight"], 0.125)}
+
+
+def test_an_exact_name_wins_over_the_alignment(state_dict):
+    """Adding `model.` would load 'embedding.weight' where the file holds 'model.embedding.weight': not applied."""
+    targets, specs = _targets(state_dict, "model."), _specs(_with_exact_embedding(state_dict))
+    others = [name for name in state_dict if name != "embedding.weight"]
+    # strict=False matches names exactly, as strict=True does, and says why the prefix was not added.
+    plan = plan_load(targets, specs, strict=False)
+    assert plan.aligned == {}
+    assert plan.sources == {"model.embedding.weight": "model.embedding.weight"}
+    assert plan.missing == [f"model.{name}" for name in others]
+    assert plan.unexpected == list(state_dict)
+    summary = plan.skipped_summary()
+    assert summary.endswith(
+        "names matched exactly, because once the prefix 'model.' is added to them, 'embedding.weight' would be loaded"
+        " into 'model.embedding.weight', which the checkpoint holds by its exact name 'model.embedding.weight' (an"
+        " exact name always wins over the automatic alignment)"
+    ), summary
+    # strict=True refuses the same plan, and names the two ways out.
+    with pytest.raises(CheckpointLoadError) as raised:
+        plan_load(targets, specs, strict=True)
+    message = str(raised.value)
+    assert f"{len(others)} missing key(s)" in message
+    assert "The names were not aligned automatically: once the prefix 'model.' is added to them" in message
+    value = "{'': 'model.', 'model.embedding.weight': None}"
+    assert f"`rename={value}` loads the renamed tensors and leaves out the exactly named ones" in message
+    assert "`strict=False` loads only the tensors whose names match exactly" in message
+    assert "fabric.strategy.load_options" in message
+    # The advised rename loads every tensor, strictly.
+    plan = plan_load(targets, specs, strict=True, rename={"": "model.", "model.embedding.weight": None})
+    assert plan.sources == {f"model.{name}": name for name in state_dict}
+    # An alignment that keeps every exact match is applied: removing `module.` leaves 'head.weight' feeding its own.
+    checkpoint = {(name if name == "head.weight" else f"module.{name}"): t for name, t in state_dict.items()}
+    plan = plan_load(_targets(state_dict), _specs(checkpoint), strict=True)
+    assert plan.aligned == {"module.": ""}
+    assert plan.sources == {name: name if name == "head.weight" else f"module.{name}" for name in state_dict}
 
 
 def test_explicit_rename(state_dict):
@@ -329,6 +371,45 @@ def _submodule(paths: dict[str, str], use_orig_params: bool) -> bool:
     return True
 
 
+class Wrapper(nn.Module):
+    """A model whose every name starts with `model.` (a LightningModule's `self.model`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyTransformer()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+
+def _exact_name_wins(paths: dict[str, str]) -> bool:
+    checkpoint = torch.load(paths["exact_and_unprefixed"], weights_only=True)
+    fabric = _fabric()
+    model = _model(fabric, seed=2, cls=Wrapper)
+    before = gather_full_state(model)["model"]
+    # strict=True: refused, nothing written, the two ways out named.
+    with pytest.raises(
+        CheckpointLoadError, match=r"(?s)not aligned automatically.*'embedding\.weight' would be loaded"
+    ):
+        fabric.load_raw(paths["exact_and_unprefixed"], model)
+    assert_same_state(gather_full_state(model)["model"], before)
+    # strict=False: the exactly named tensor loads, nothing else; the warning says why.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load_raw(paths["exact_and_unprefixed"], model, strict=False)
+    if fabric.global_rank == 0:
+        text = " ".join(str(w.message) for w in caught)
+        assert "names matched exactly, because once the prefix 'model.' is added to them" in text, text
+    after = gather_full_state(model)["model"]
+    expected = {**before, "model.embedding.weight": checkpoint["model.embedding.weight"]}
+    assert_same_state(after, expected)
+    # The advised rename loads the unprefixed tensors, strictly.
+    _load(fabric, paths["exact_and_unprefixed"], model, rename={"": "model.", "model.embedding.weight": None})
+    unprefixed = {k: v for k, v in checkpoint.items() if k != "model.embedding.weight"}
+    assert_same_state(gather_full_state(model)["model"], _prefixed(unprefixed, "model."))
+    return True
+
+
 @pytest.fixture
 def user_files(tmp_path, state_dict) -> dict[str, str]:
     paths = {name: str(tmp_path / f"{name}.ckpt") for name in ("expected", "final", "trainer", "compiled", "renamed")}
@@ -337,6 +418,8 @@ def user_files(tmp_path, state_dict) -> dict[str, str]:
     torch.save(trainer, paths["trainer"])
     torch.save(_prefixed(state_dict, "_orig_mod."), paths["compiled"])
     torch.save({name.replace("blocks.", "layer_"): t for name, t in state_dict.items()}, paths["renamed"])
+    paths["exact_and_unprefixed"] = str(tmp_path / "exact_and_unprefixed.ckpt")
+    torch.save(_with_exact_embedding(state_dict), paths["exact_and_unprefixed"])
     paths["causal_lm"] = str(write_checkpoint(_causal_lm_state(state_dict), tmp_path / "hf", "hf-index-safetensors"))
     paths["bare"] = str(write_checkpoint(state_dict, tmp_path / "bare", "safetensors"))
     (tmp_path / "sharded").mkdir()
@@ -356,3 +439,7 @@ def test_names_that_differ(user_files):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_loading_into_a_submodule_is_refused_with_a_way_out(user_files, use_orig_params):
     assert run_distributed(_submodule, user_files, use_orig_params, devices=2) == [True, True]
+
+
+def test_an_exact_name_wins_on_a_sharded_model(user_files):
+    assert run_distributed(_exact_name_wins, user_files, devices=2) == [True, True]

@@ -4,6 +4,8 @@ Names may differ by a prefix that a wrapper added (``module.`` of DDP, ``_orig_m
 attribute of a ``LightningModule``) or by the model class (a ``LlamaForCausalLM`` checkpoint, ``model.*``, for a bare
 ``LlamaModel``). A ``rename`` maps the checkpoint's names to the model's; without one, a single prefix that makes
 every model tensor match is removed or added automatically, and the errors name the ``rename`` that fits the file.
+A name that the checkpoint holds exactly as the model names it always wins: a prefix that would load another tensor
+in its place, or move it away, is not applied.
 
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
@@ -44,6 +46,37 @@ class TargetSpec:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class DeclinedAlignment:
+    """A prefix rename that matches every model tensor but changes what the checkpoint's exact names feed."""
+
+    rename: dict[str, str]
+    conflicts: list[tuple[str, str, str]]
+    """(model name, the checkpoint tensor of that exact name, the one the rename would load instead)."""
+
+    def describe(self) -> str:
+        target, exact, other = self.conflicts[0]
+        more = f" (and {len(self.conflicts) - 1} more)" if len(self.conflicts) > 1 else ""
+        return (
+            f"once {_describe(self.rename)}, {other!r} would be loaded into {target!r}{more}, which the checkpoint"
+            f" holds by its exact name {exact!r} (an exact name always wins over the automatic alignment)"
+        )
+
+    def advice(self) -> str:
+        exact_names = [exact for _, exact, _ in self.conflicts]
+        leaving_out: dict[str, str | None] = {**self.rename, **dict.fromkeys(exact_names)}
+        prefer_renamed = (
+            f"`rename={leaving_out!r}` loads the renamed tensors and leaves out the exactly named ones"
+            if len(exact_names) <= _SHOWN
+            else f"`rename={self.rename!r}` with `strict=False` loads the renamed tensors"
+        )
+        return (
+            f"The names were not aligned automatically: {self.describe()}. The checkpoint holds two candidates for"
+            f" {'that tensor' if len(exact_names) == 1 else 'those tensors'}; say which to load: {prefer_renamed},"
+            f" and `strict=False` loads only the tensors whose names match exactly. {_RENAME_USAGE}"
+        )
+
+
 @dataclass
 class NamePlan:
     """Which checkpoint tensor feeds which model tensor, and what was left out."""
@@ -56,6 +89,8 @@ class NamePlan:
     casts: dict[str, tuple[torch.dtype, torch.dtype]] = field(default_factory=dict)
     aligned: dict[str, str] = field(default_factory=dict)
     """The prefix rename found automatically (``{"model.": ""}`` removes, ``{"": "model."}`` adds); empty if none."""
+    declined: DeclinedAlignment | None = None
+    """The prefix rename that would match every model tensor but was not applied: it changes exact matches."""
 
     def skipped_summary(self) -> str:
         parts = []
@@ -63,6 +98,8 @@ class NamePlan:
             parts.append(f"{len(self.missing)} missing key(s) left as they were ({_names(self.missing)})")
         if self.unexpected:
             parts.append(f"{len(self.unexpected)} unexpected key(s) ignored ({_names(self.unexpected)})")
+        if parts and self.declined is not None:
+            parts.append(f"names matched exactly, because {self.declined.describe()}")
         return "; ".join(parts)
 
 
@@ -105,7 +142,9 @@ def plan_load(
 
     The checkpoint's names are renamed first (see :func:`check_rename`); the plan still reads each tensor by its
     name in the file. Without a ``rename``, when the names differ and exactly one prefix, removed from or added to
-    every checkpoint name, makes every model tensor match, it is applied and said in one info line. Tied weights
+    every checkpoint name, makes every model tensor match without changing what a checkpoint tensor named exactly as
+    a model tensor feeds (an exact name always wins), it is applied and said in one info line; otherwise names match
+    exactly, with ``strict`` as without, and the error or the summary of what was skipped says why. Tied weights
     count as present when any of their names is in the checkpoint. Floating-point tensors of another dtype are cast
     (a bf16 file into an fp32 model); other dtype changes and shape mismatches are errors even with ``strict=False``,
     as in :meth:`torch.nn.Module.load_state_dict`. ``ties`` (model name -> the names the model ties it to) turns the
@@ -116,10 +155,12 @@ def plan_load(
     plan, shape_mismatches, dtype_mismatches = _match(targets, specs, _renamed(specs, rename or {}))
     ambiguous: list[dict[str, str]] = []
     if rename is None and plan.missing:
-        aligned, ambiguous = _alignment(targets, list(specs))
+        aligned, ambiguous, declined = _alignment(targets, list(specs))
         if aligned:
             plan, shape_mismatches, dtype_mismatches = _match(targets, specs, _renamed(specs, aligned))
             plan.aligned = aligned
+        elif not ambiguous:
+            plan.declined = declined
 
     problems = []
     if strict and plan.missing:
@@ -141,7 +182,7 @@ def plan_load(
         untied = _untied_copies(targets, plan, ties or {}) if strict else {}
         if untied:
             fixes.append(_retie_advice(untied))
-        elif strict and plan.sources and not shape_mismatches and not dtype_mismatches:
+        elif strict and plan.sources and not shape_mismatches and not dtype_mismatches and plan.declined is None:
             fixes.append("To load only the tensors that match, pass `strict=False`.")
         raise CheckpointLoadError(
             "The checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
@@ -166,11 +207,10 @@ def _match(
     dtype_mismatches: list[str] = []
     for target in targets:
         expected_names.update(target.names)
-        present = next((name for name in target.names if name in originals), None)
-        if present is None:
+        source_name = _feeding(target, originals)
+        if source_name is None:
             plan.missing.append(target.names[0])
             continue
-        source_name = originals[present]
         spec = specs[source_name]
         if spec.shape != target.shape:
             shape_mismatches.append(f"{source_name!r}: checkpoint {_shape(spec.shape)}, model {_shape(target.shape)}")
@@ -279,16 +319,42 @@ def _prefix_in(flat_param: Any, relative: str) -> str | None:
     return prefixes.pop() if len(prefixes) == 1 else None
 
 
-def _alignment(targets: Sequence[TargetSpec], names: list[str]) -> tuple[dict[str, str], list[dict[str, str]]]:
-    """The one prefix rename that makes every model tensor match, and the candidates when several do."""
+def _alignment(
+    targets: Sequence[TargetSpec], names: list[str]
+) -> tuple[dict[str, str], list[dict[str, str]], DeclinedAlignment | None]:
+    """The one prefix rename that makes every model tensor match, and the candidates when several do.
+
+    A rename that changes which checkpoint tensor feeds a model tensor that the checkpoint holds by its exact name is
+    not a candidate: the first such one is returned as declined, for the messages.
+
+    """
     if not targets or not names:
-        return {}, []
+        return {}, [], None
+    exact = _fed_by(targets, {name: name for name in names})
     working = []
+    declined = None
     for candidate in _candidates(targets, names):
         renamed = _with_prefix(names, candidate)
-        if renamed is not None and _all_matched(targets, renamed):
+        if renamed is None or not _all_matched(targets, renamed):
+            continue
+        fed = _fed_by(targets, {_rename_one(name, candidate): name for name in names})
+        conflicts = [(target, name, fed[target]) for target, name in exact.items() if fed[target] != name]
+        if not conflicts:
             working.append(candidate)
-    return (working[0], []) if len(working) == 1 else ({}, working)
+        elif declined is None:
+            declined = DeclinedAlignment(candidate, conflicts)
+    return (working[0], [], None) if len(working) == 1 else ({}, working, declined)
+
+
+def _fed_by(targets: Sequence[TargetSpec], originals: Mapping[str, str]) -> dict[str, str]:
+    """Primary target name -> the checkpoint tensor (its name in the file) that feeds it."""
+    return {target.names[0]: name for target in targets if (name := _feeding(target, originals)) is not None}
+
+
+def _feeding(target: TargetSpec, originals: Mapping[str, str]) -> str | None:
+    """The checkpoint tensor (its name in the file) that feeds ``target``: the first of its names it has, renamed."""
+    present = next((name for name in target.names if name in originals), None)
+    return None if present is None else originals[present]
 
 
 def _candidates(targets: Sequence[TargetSpec], names: list[str]) -> list[dict[str, str]]:
@@ -377,6 +443,8 @@ def _advice(
             f"The names were aligned by `rename={plan.aligned!r}`, found automatically; to leave out the checkpoint"
             f" tensors that the model does not have, pass `rename={value!r}`. {_RENAME_USAGE}"
         ]
+    if plan.declined is not None:
+        return [plan.declined.advice()]
     if ambiguous:
         choices = " or ".join(f"`rename={candidate!r}`" for candidate in ambiguous[:_SHOWN])
         return [
