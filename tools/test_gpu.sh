@@ -61,6 +61,8 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" # this checkout, whichev
 # --- set-up -------------------------------------------------------------------------------------------------------
 step_start "set-up: the virtual environment and a CUDA build of torch"
 setup_note=""
+echo "make setup: from a fresh clone it installs torch==$TORCH_VERSION (on Linux x86_64, PyPI's is the CUDA build:"
+echo "about 3 GB with NVIDIA's libraries, one to three minutes), then this package with its test extra."
 # TORCH_SPEC, when given, reaches `make` from the environment (or from `make test-gpu TORCH_SPEC=...`).
 if ! timeout "$(left)" make -s setup VENV="$VENV" PYTHON="${PYTHON:-python3}"; then
   echo "make test-gpu: FAILED: \`make setup\` did not finish (see above)."
