@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # fresh environment resolves to a CUDA build of several GB.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-upstream test-standalone lint docs clean
+.PHONY: setup demo test test-upstream test-standalone test-gpu lint docs clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,12 @@ test-upstream: setup
 
 test-standalone: setup
 	bash tests/run_standalone_tests.sh
+
+# On a machine with a GPU: the single-GPU tests, the multi-GPU tests it can run and the benchmark on the GPU, with one
+# summary, in under 8 minutes from a fresh clone. It runs `make setup` itself, and only where a GPU exists: elsewhere it
+# says that there is none and exits 0 (tools/test_gpu.sh).
+test-gpu:
+	VENV=$(VENV) PYTHON=$(PYTHON) bash tools/test_gpu.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .
