@@ -5,7 +5,8 @@ must equal the checkpoint bit for bit, training must resume with the losses of t
 must not fall back to upstream's broadcasting path. The model has a parameter of 5 rows (3 and 2 over two ranks) and
 one of a single row (an empty shard on rank 1). FSDP x tensor parallel on a 2 x 2 mesh shards the tensor-parallel rows
 strided (``_StridedShard``): each rank holds a piece of every tensor-parallel shard, uneven for the 5 rows of
-``narrow`` (2 + 1 and 1 + 1 rows).
+``narrow`` (2 + 1 and 1 + 1 rows). Sharded directories (``save_distributed_checkpoint=True``), with FSDP and with FSDP x
+tensor parallel, load through the validated sharded reader, bit for bit, with ``fabric.load`` and ``fabric.load_raw``.
 """
 
 from pathlib import Path
@@ -76,6 +77,8 @@ def _parallelize(layout: str):
 
 
 def _fabric(devices: int, layout: str = "fsdp") -> Fabric:
+    sharded = layout.startswith("sharded")  # "sharded", "sharded_<layout>": saved as a distributed checkpoint
+    layout = layout.removeprefix("sharded_")
     data_parallel_size = {"tensor_parallel": 1, "hsdp": devices // 2, "fsdp_tensor_parallel": devices // 2}.get(
         layout, devices
     )
@@ -83,7 +86,7 @@ def _fabric(devices: int, layout: str = "fsdp") -> Fabric:
         _parallelize(layout),
         data_parallel_size=data_parallel_size,
         tensor_parallel_size=devices // data_parallel_size,
-        save_distributed_checkpoint=layout == "sharded",  # "sharded": FSDP2, saved as a distributed checkpoint
+        save_distributed_checkpoint=sharded,
     )
     fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy)
     fabric.launch()
@@ -134,7 +137,7 @@ def _full_checkpoints(checkpoint_dir: str, configs: list[str], devices: int) -> 
         state = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
         assert fabric.load(path, state) == {}
         assert state["step"] == 2
-        if name == "fsdp_tensor_parallel":
+        if name.endswith("fsdp_tensor_parallel"):
             _assert_strided(fresh_model)
         assert not loader._warned_fallbacks, f"{name}: fell back: {loader._warned_fallbacks}"
         try:
@@ -143,7 +146,7 @@ def _full_checkpoints(checkpoint_dir: str, configs: list[str], devices: int) -> 
             raise AssertionError(f"{name}: {error}") from None
         resumed_losses = _train(fabric, fresh_model, fresh_optimizer, range(2, 4))
         assert resumed_losses == expected_losses, f"{name}: {resumed_losses} != {expected_losses}"
-        if name == "sharded":  # `fabric.load_raw` reads the model's entry of the directory
+        if name.startswith("sharded"):  # `fabric.load_raw` reads the model's entry of the directory
             raw_model, _ = _make(fabric, seed=3)
             fabric.load_raw(path, raw_model)
             assert_same_state(gather_full_state(raw_model)["model"], saved["model"])
@@ -174,8 +177,8 @@ def test_sharded_checkpoint_with_adam_loads_bit_exact_and_resumes(tmp_path):
     assert results == [["sharded"]] * 2
 
 
-def test_2d_meshes_full_checkpoint_loads_bit_exact_and_resumes(tmp_path):
-    configs = ["hsdp", "fsdp_tensor_parallel"]
+def test_2d_meshes_full_and_sharded_checkpoints_load_bit_exact_and_resume(tmp_path):
+    configs = ["hsdp", "fsdp_tensor_parallel", "sharded_fsdp_tensor_parallel"]
     results = run_distributed(_full_checkpoints, str(tmp_path), configs, 4, devices=4, timeout=300)
     assert results == [configs] * 4
 
