@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelParallelStrategy
-from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
-from lightning.fabric.strategies.model_parallel import _load_checkpoint, _load_raw_module_state_from_path
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -184,12 +182,14 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
     ) -> dict[str, Any]:
         """Load a checkpoint into the given model, optimizers and other state; return what nobody asked for.
 
-        A sharded (distributed checkpoint) directory loads as upstream does, each rank reading its own shards. Every
-        other checkpoint (a full file that ``fabric.save`` wrote, a raw module state dict in zip or legacy format, a
-        ``.safetensors`` file, a Hugging Face sharded checkpoint) is validated on every rank, then each rank copies
-        only its own slice of every parameter and optimizer state into its local ``DTensor`` shards, reading only
-        those bytes. See :meth:`lightning_fsdp.FSDPStrategy.load_checkpoint` for the formats, ``strict`` and
-        ``weights_only``.
+        Every checkpoint (a sharded directory or a full file that ``fabric.save`` wrote, a raw module state dict in zip
+        or legacy format, a ``.safetensors`` file, a Hugging Face sharded checkpoint) is validated on every rank before
+        anything is written. A full file is loaded shard-locally: each rank copies only its own slice of every
+        parameter and optimizer state into its local ``DTensor`` shards, reading only those bytes. A sharded directory
+        is read by the same validated reader as with :class:`lightning_fsdp.FSDPStrategy` (its metadata through an
+        allow-list, every entry checked against the model first), each rank reading its own shards; ``load_raw``
+        reads its model entry. See :meth:`lightning_fsdp.FSDPStrategy.load_checkpoint` for the formats, ``strict``
+        and ``weights_only``.
 
         """
         if not state:
@@ -203,10 +203,6 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
             raise NotImplementedError(
                 f"Loading a single optimizer object from a checkpoint is not supported yet with {type(self).__name__}."
             )
-        if _is_sharded_checkpoint(path):
-            if isinstance(state, Module):  # upstream refuses a directory here, with its message
-                _load_raw_module_state_from_path(path, module=state, world_size=self.world_size, strict=strict)
-            return _load_checkpoint(path=path, state=state, strict=strict, weights_only=weights_only)
         module_key = None if isinstance(state, Module) else _distributed_module_key(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
         return load_into_state(self, path, state, request)
