@@ -2,6 +2,9 @@
 
 Collectives are counted by wrapping `torch.distributed`'s functions (the real ones run), and agreements by wrapping
 `Agreement.agree`. Fabric's own barrier after the load is counted apart: it is Fabric's, not the strategy's.
+
+And what a failed load leaves behind: nothing. A failure injected on one rank at each stage of a load is raised on
+every rank at once, and the next load on the same processes works.
 """
 
 import functools
