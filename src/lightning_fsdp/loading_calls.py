@@ -10,14 +10,16 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.loading.agreement import new_namespace
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
@@ -42,6 +44,15 @@ class LoadingStrategy(Protocol):
     @property
     def num_processes(self) -> int: ...
 
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+
+class _LoadStart(NamedTuple):
+    """What rank 0 sends every rank when a load starts."""
+
+    path: _PATH
+    namespace: str
+
 
 def init_loading_options(strategy: LoadingStrategy, concurrency: Any, progress: bool) -> None:
     """Check and set the loading arguments that both strategies take, and clear the per-load options."""
@@ -62,9 +73,31 @@ def load_request(
     return LoadRequest(state[module_key], module_key, optimizers, metadata_keys, strict, weights_only, rename=rename)
 
 
-def load_into_state(strategy: LoadingStrategy, path: Path, state: Module | dict[str, Any], request: LoadRequest) -> Any:
-    """Run the load, warn about what ``strict=False`` skipped, move the metadata into ``state``; return the rest."""
-    options = LoadOptions(strategy.load_concurrency, progress=None if strategy.load_progress else False)
+def broadcast_load_path(strategy: LoadingStrategy, path: _PATH) -> tuple[Path, str]:
+    """Rank 0's ``path``, and a namespace new to this load for its agreements: the path broadcast carries both.
+
+    Every rank runs this collective before the load, so every rank meets the others under the same namespace, whatever
+    it did or failed to do in an earlier load (see :class:`~lightning_fsdp.loading.agreement.Agreement`).
+
+    """
+    start = strategy.broadcast(_LoadStart(path, new_namespace()))
+    if not isinstance(start, _LoadStart):
+        # A broadcast patched to answer with the path alone (as a test of upstream's behaviour does): one process.
+        return Path(start), new_namespace()
+    return Path(start.path), start.namespace
+
+
+def load_into_state(
+    strategy: LoadingStrategy, path: Path, state: Module | dict[str, Any], request: LoadRequest, namespace: str
+) -> Any:
+    """Run the load, warn about what ``strict=False`` skipped, move the metadata into ``state``; return the rest.
+
+    ``namespace`` comes from :func:`broadcast_load_path`.
+
+    """
+    options = LoadOptions(
+        strategy.load_concurrency, progress=None if strategy.load_progress else False, namespace=namespace
+    )
     result: LoadResult = load(path, request, rank_info(strategy), options)
     if result.skipped:
         rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {result.skipped}.")

@@ -20,7 +20,6 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -45,7 +44,13 @@ from lightning_fsdp.loading.materialize import (
     shared_tensor_names,
 )
 from lightning_fsdp.loading.validation import Rename
-from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
+from lightning_fsdp.loading_calls import (
+    broadcast_load_path,
+    init_loading_options,
+    load_into_state,
+    load_options,
+    load_request,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -198,14 +203,14 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
                 " a model instance to reload is required. Pass it in like so:"
                 f" {type(self).__name__}.load_checkpoint(..., state={{'model': model, ...}})"
             )
-        path = Path(self.broadcast(path))
+        path, namespace = broadcast_load_path(self, path)
         if isinstance(state, Optimizer):
             raise NotImplementedError(
                 f"Loading a single optimizer object from a checkpoint is not supported yet with {type(self).__name__}."
             )
         module_key = None if isinstance(state, Module) else _distributed_module_key(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
-        return load_into_state(self, path, state, request)
+        return load_into_state(self, path, state, request, namespace)
 
     def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""

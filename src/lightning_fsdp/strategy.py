@@ -53,7 +53,13 @@ from lightning_fsdp.loading.materialize import (
 )
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.validation import Rename
-from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
+from lightning_fsdp.loading_calls import (
+    broadcast_load_path,
+    init_loading_options,
+    load_into_state,
+    load_options,
+    load_request,
+)
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
@@ -277,10 +283,11 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         """
         state, module_key = _checked_state(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
-        # broadcast the path from rank 0 to ensure all the states are loaded from a common path
-        path = Path(self.broadcast(path))
+        # broadcast the path from rank 0 to ensure all the states are loaded from a common path (with the namespace of
+        # this load's agreements)
+        path, namespace = broadcast_load_path(self, path)
         try:
-            return load_into_state(self, path, state, request)
+            return load_into_state(self, path, state, request, namespace)
         except Exception as error:
             _raise_if_upstream_refuses_path(path, error, raw=request.module_key is None)
             raise

@@ -75,6 +75,10 @@ class LoadOptions:
     """Ranks per node that may hold a source read whole at once (see :class:`~.turns.StaggeredLoad`)."""
     progress: bool | None = None
     """``None`` shows a bar on a terminal, ``True`` always, ``False`` never."""
+    namespace: str | None = None
+    """Where this load's agreements meet in the process group's store: the same on every rank and new for every load
+    (rank 0 makes it, and it travels with the path broadcast: see ``loading_calls.broadcast_load_path``). Required with
+    several ranks."""
 
 
 @dataclass
@@ -115,11 +119,7 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
     a time, and each validates it in its own turn.
 
     """
-    collected = _module_targets(request.module)
-    total_bytes, total_tensors = _local_totals(collected)
-    bar = LoadProgress(
-        total_bytes, total_tensors, local_rank=ranks.local_rank, node_rank=ranks.node_rank, enabled=options.progress
-    )
+    bar = LoadProgress(local_rank=ranks.local_rank, node_rank=ranks.node_rank, enabled=options.progress)
     stagger = StaggeredLoad(
         options.concurrency,
         node_rank=ranks.node_rank,
@@ -127,14 +127,19 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
         local_world_size=ranks.local_world_size,
         progress=bar,
         description=f"Loading {str(path)!r}",
+        namespace=options.namespace,
     )
     with bar, stagger, _one_error_type():
+        # Everything runs inside the agreement, the first step too: a rank that fails anywhere tells the others, which
+        # raise at once instead of waiting for it. The path first, the model second, as upstream checks them.
+        detected = detect_checkpoint(path)
+        collected = _module_targets(request.module)
+        bar.set_totals(*_local_totals(collected))
         # FSDP's path runs collectives and the shard-local one does not: one rank that cannot serve its part
         # shard-locally takes every rank with it, or the others would wait for it until the process group timed out.
         if stagger.any_rank(collected is None) and collected is not None:
             _warn_fallback("another rank cannot load its part of the model shard-locally")
             collected = None
-        detected = detect_checkpoint(path)
         if detected.format is CheckpointFormat.FABRIC_SHARDED:
             result = _load_sharded(path, request, stagger)
         elif collected is not None and detected.reads_whole(request.weights_only):
