@@ -8,6 +8,7 @@ hold any object and is read whole by ``torch.load``.
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
+import itertools
 import json
 import os
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from lightning_fsdp.loading.sources import (
     TensorRef,
     TensorSource,
     check_state_dict,
+    map_tensors,
     walk_tensors,
 )
 from lightning_fsdp.loading.torch_pickle import TorchFileStructure, read_zip_structure, unpickling_errors
@@ -259,11 +261,11 @@ def open_checkpoint(
         return ByteRangeSource(structure.locate(state_dict))
 
     def lazy_entries(entries: dict[str, Any]) -> tuple[list[TensorSource], dict[str, Any]]:
-        tensors = dict(walk_tensors(entries))
-        if not tensors:
+        names = _tensor_names(entries)
+        if not names:
             return [], entries
-        source = ByteRangeSource(structure.locate(tensors))
-        return [source], _with_refs(entries, source)
+        source = ByteRangeSource(structure.locate({name: tensor for tensor, name in names.values()}))
+        return [source], map_tensors(entries, lambda _, tensor: TensorRef(source, names[id(tensor)][1]))
 
     return _split_entries(content, module_key, detected.path, locate_source, lazy_entries)
 
@@ -345,16 +347,23 @@ def _read_structure(
     return read_legacy_structure(path, weights_only)
 
 
-def _with_refs(obj: Any, source: TensorSource, prefix: str = "") -> Any:
-    """``obj`` with each tensor replaced by a reference into ``source``, named as :func:`walk_tensors` names it."""
-    if isinstance(obj, torch.Tensor):
-        return TensorRef(source, prefix)
-    if isinstance(obj, Mapping):
-        return {key: _with_refs(value, source, f"{prefix}.{key}" if prefix else str(key)) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_with_refs(value, source, f"{prefix}.{i}" if prefix else str(i)) for i, value in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
+def _tensor_names(obj: Any) -> dict[int, tuple[torch.Tensor, str]]:
+    """A name for each distinct tensor in ``obj`` (by identity): its dotted path, made unique where paths collide."""
+    names: dict[int, tuple[torch.Tensor, str]] = {}
+    taken: set[str] = set()
+    suffixes = itertools.count(1)
+
+    def name(path: str, tensor: torch.Tensor) -> torch.Tensor:
+        # `{"a.b": x, "a": {"b": y}}` gives both the path "a.b": each must still be read as itself.
+        unique = path
+        while unique in taken:
+            unique = f"{path}#{next(suffixes)}"
+        taken.add(unique)
+        names[id(tensor)] = (tensor, unique)
+        return tensor
+
+    map_tensors(obj, name)
+    return names
 
 
 def _open_index(path: Path, weights_only: bool, verify_crc: bool) -> TensorSource:
