@@ -5,7 +5,7 @@ import time
 import torch
 from lightning.fabric import Fabric
 
-from lightning_fsdp import FSDPStrategy
+from lightning_fsdp import CheckpointLoadError, FSDPStrategy
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, TinyTransformer
 from tests.tests_fabric.helpers.state import gather_full_state
@@ -47,3 +47,42 @@ def test_shared_references_forty_levels_deep_load_in_linear_time(tmp_path):
     for elapsed, shared_levels, loaded, step in outcomes:
         assert (shared_levels, loaded, step) == (40, True, 1)
         assert elapsed < 30  # every rank spun forever before: the walk doubled per level
+
+
+def _messages_of_failed_loads(paths: list[str]) -> list[str]:
+    fabric = Fabric(accelerator="cpu", devices=_DEVICES, strategy=FSDPStrategy(auto_wrap_policy={Block}))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = TinyTransformer()
+    model = fabric.setup_module(model)
+    messages = []
+    for path in paths:
+        try:
+            fabric.load(path, {"model": model})
+        except CheckpointLoadError as error:
+            messages.append(str(error))
+        else:
+            messages.append("no error")
+    return messages
+
+
+def test_text_from_the_file_reaches_every_rank_escaped(tmp_path):
+    # A global name with terminal escape sequences (torch's refusal quotes it), and shard names with a newline.
+    from tests.tests_fabric.loading.test_bounded_parsing import (
+        assert_no_control_characters,
+        write_index_with_crafted_shard_names,
+        write_pickle_with_crafted_global,
+    )
+
+    paths = [
+        str(write_pickle_with_crafted_global(tmp_path / "evil.pth")),
+        str(write_index_with_crafted_shard_names(tmp_path / "hf")),
+    ]
+    outcomes = run_distributed(_messages_of_failed_loads, paths, devices=_DEVICES, timeout=120)
+    for messages in outcomes:
+        assert "Refused to unpickle" in messages[0]
+        assert "PWNED" in messages[0]
+        assert "do not exist" in messages[1]
+        assert "forged log line" in messages[1]
+        for message in messages:
+            assert_no_control_characters(message)

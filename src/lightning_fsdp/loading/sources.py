@@ -26,6 +26,9 @@ from lightning_fsdp.loading.files import read_exactly, require_regular_file
 
 #: Reads at least this large get an anonymous mapping of their own (see :meth:`ByteRangeSource.read_flat`).
 _OWN_MAPPING_BYTES = 2**20
+#: A safetensors file or a Hugging Face index naming more tensors is refused before its entries are checked one by one:
+#: the largest models have a few hundred thousand tensors in all, and each costs every rank time and memory to check.
+MAX_TENSORS = 500_000
 #: Containers nested deeper than this are refused (walks recurse; real checkpoints nest a handful of levels).
 MAX_NESTING = 100
 
