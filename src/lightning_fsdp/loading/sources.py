@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -372,7 +373,9 @@ def _rebuild(value: Any, path: str, visit: Callable[[Any, str], Any], done: dict
         items = tuple(visit(item, _join(path, index)) for index, item in enumerate(value))
         # A cycle through this tuple (via a list or dict inside it) built it already: keep that one.
         return done[id(value)][1] if id(value) in done else items
-    result: Any = {} if isinstance(value, Mapping) else []
+    # An `OrderedDict` stays one (`torch.load` returns it so, and optimizer code may rely on it); other mappings become
+    # plain dicts: constructing an arbitrary class here could run its code.
+    result: Any = (OrderedDict() if isinstance(value, OrderedDict) else {}) if isinstance(value, Mapping) else []
     done[id(value)] = (value, result)
     if isinstance(value, Mapping):
         for key, item in value.items():

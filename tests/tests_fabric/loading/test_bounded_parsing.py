@@ -5,6 +5,7 @@ import struct
 import sys
 import time
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,22 @@ def test_names_that_collide_still_read_their_own_tensors(tmp_path):
         opened.close()
     assert torch.equal(extra["a.b"], torch.zeros(2))
     assert torch.equal(extra["a"]["b"], torch.ones(3))
+
+
+def test_an_ordered_dict_stays_one_as_torch_load_returns_it(tmp_path):
+    path = tmp_path / "ordered.ckpt"
+    extra = OrderedDict([("b", torch.ones(2)), ("a", OrderedDict([("x", 1)])), ("plain", {"y": torch.zeros(1)})])
+    torch.save({"model": {"w": torch.ones(1)}, "extra": extra}, path)
+    opened = open_checkpoint(detect_checkpoint(path), "model", weights_only=True)
+    try:
+        loaded = materialize(opened.entries["extra"])
+    finally:
+        opened.close()
+    assert type(loaded) is OrderedDict
+    assert list(loaded) == ["b", "a", "plain"]
+    assert type(loaded["a"]) is OrderedDict
+    assert type(loaded["plain"]) is dict
+    assert torch.equal(loaded["b"], torch.ones(2))
 
 
 def test_containers_nested_beyond_any_checkpoint_are_refused(tmp_path):
