@@ -30,7 +30,11 @@ pytestmark = pytest.mark.package_only
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    root = tmp_path / "lightning"
+    return installed_lightning_tree(tmp_path / "lightning")
+
+
+def installed_lightning_tree(root: Path) -> Path:
+    """A copy of the installed `lightning` package laid out as a checkout, with empty tests and docs folders."""
     shutil.copytree(
         Path(lightning.__file__).parent, root / "src" / "lightning", ignore=shutil.ignore_patterns("__pycache__")
     )
