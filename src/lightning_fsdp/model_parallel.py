@@ -28,6 +28,7 @@ from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelP
 from lightning.fabric.strategies import model_parallel as _upstream
 from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.strategies.model_parallel import _load_checkpoint, _load_raw_module_state_from_path
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
@@ -196,8 +197,12 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         those bytes. See :meth:`lightning_fsdp.FSDPStrategy.load_checkpoint` for the formats, ``strict`` and
         ``weights_only``. The arguments are checked in upstream's order, with its exception types and messages; a path
         that holds nothing this method reads raises upstream's ``ValueError``, which is also a ``CheckpointLoadError``.
+        A remote path (an fsspec URL such as ``s3://...``) is left to upstream's method.
 
         """
+        if not _is_local_file_protocol(path):
+            # Remote storage (an fsspec URL) is upstream's to read; the shard-local loader reads local files.
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not state:
             raise ValueError(
                 f"Got {type(self).__name__}.load_checkpoint(..., state={state!r}) but a state with at least "

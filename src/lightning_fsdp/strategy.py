@@ -30,6 +30,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
 from lightning.fabric.strategies import fsdp as _upstream
 from lightning.fabric.strategies.strategy import _apply_filter
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.nn import Module
@@ -270,7 +271,8 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
         The arguments are checked as upstream checks them, with upstream's exception types and messages. A path that
         upstream refuses too (neither a file nor a directory of checkpoint shards) and that holds nothing this method
-        reads raises an error that is both a ``ValueError`` (upstream's) and a ``CheckpointLoadError``.
+        reads raises an error that is both a ``ValueError`` (upstream's) and a ``CheckpointLoadError``. A remote path
+        (an fsspec URL such as ``s3://...``) is left to upstream's method.
 
         Args:
             path: A checkpoint file or directory.
@@ -282,6 +284,9 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 ``False`` only for a file you trust: unpickling can run code.
 
         """
+        if not _is_local_file_protocol(path):
+            # Remote storage (an fsspec URL) is upstream's to read; the shard-local loader reads local files.
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         state, module_key = _checked_state(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
         # broadcast the path from rank 0 to ensure all the states are loaded from a common path

@@ -125,6 +125,25 @@ def test_model_parallel_path_errors_are_upstreams_and_ours(tmp_path, raw):
     assert "holds no checkpoint" in str(ours)
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["load", "load_raw"])
+def test_remote_paths_are_left_to_upstream(raw):
+    """An fsspec URL is read by upstream's method (on Lightning's master, through `cloud_io`): the same outcome."""
+    path = "memory://checkpoints/model.ckpt"
+    errors = [
+        _error_of(
+            functools.partial(
+                _strategy(cls, launched_devices=True).load_checkpoint,
+                path,
+                state=nn.Linear(2, 2) if raw else {"model": _fsdp_model()},
+            )
+        )
+        for cls in (UpstreamFSDPStrategy, FSDPStrategy)
+    ]
+    theirs, ours = errors
+    assert type(ours) is type(theirs), f"upstream raised {theirs!r}, this package {ours!r}"
+    assert str(ours) == str(theirs)
+
+
 def test_what_upstream_cannot_read_is_not_a_path_error(tmp_path):
     """A Hugging Face directory is no checkpoint to upstream, but this package reads it: no `ValueError`."""
     torch.manual_seed(0)
