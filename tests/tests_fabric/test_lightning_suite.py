@@ -2,14 +2,17 @@
 
 Lightning's tests are not on PyPI (its sdist has none) and this project never copies them, so these tests need a
 checkout of Lightning: ``LIGHTNING_TESTS=/path/to/pytorch-lightning`` (a git checkout, or any tree with its
-``tests/tests_fabric/``); they are skipped without one. docs/source-fabric/upstream.rst names the commit they were run
-at, the counts and the time.
+``tests/tests_fabric/``); they are skipped without one. The patched tree is the checkout's own ``src/`` (a release
+tag, or master at the pinned commit); the run against this package's classes needs tests of the installed release
+(tag 2.6.5 or 2.6.6: master's tests import what the release does not have). docs/source-fabric/upstream.rst names the
+commits they were run at, the counts and the time.
 
 Every test of those files must pass except the intended behaviour changes below, each with its reason; a new failure,
 or an intended change that passes again, fails these tests.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -70,8 +73,18 @@ def test_lightnings_strategy_tests_against_this_package(tmp_path):
 
 @pytest.mark.skipif(_CHECKOUT is None, reason="set LIGHTNING_TESTS to a checkout of Lightning to run its tests")
 def test_lightnings_tests_on_the_patched_tree(tmp_path):
-    """Upstream's tests of the strategies, the connector and `utilities/load.py`, on the tree the command patched."""
-    tree = installed_lightning_tree(tmp_path / "lightning")
+    """Upstream's tests of the strategies, the connector and `utilities/load.py`, on the tree the command patched.
+
+    The tree is the checkout's own sources when it has them (tests and sources of one commit: a release tag or the
+    pinned master), else a copy of the installed release.
+
+    """
+    checkout_src = Path(_CHECKOUT or "") / "src"
+    if (checkout_src / "lightning").is_dir():
+        tree = tmp_path / "lightning"
+        shutil.copytree(checkout_src, tree / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        tree = installed_lightning_tree(tmp_path / "lightning")
     plan(tree).write()
     outcomes = _run_lightning_tests(PATCHED_TREE_TESTS, [tree / "src"], None, tmp_path)
     assert sorted(outcomes["failed"]) == sorted(INTENDED_CHANGES_PATCHED)
