@@ -144,6 +144,18 @@ def test_remote_paths_are_left_to_upstream(raw):
     assert str(ours) == str(theirs)
 
 
+@pytest.mark.parametrize("cls", [FSDPStrategy, ModelParallelStrategy])
+def test_the_path_is_checked_before_the_model(tmp_path, cls):
+    """An empty file is refused even for the model double of Lightning's own unit tests, whose layout cannot be read."""
+    path = tmp_path / "full.ckpt"
+    path.touch()
+    model = mock.Mock(spec=nn.Module)  # what upstream's tests pass: `modules()` is not iterable
+    model.parameters.return_value = [torch.zeros(2, 1)]
+    strategy = cls(parallelize_fn=lambda module, _: module) if cls is ModelParallelStrategy else cls()
+    with pytest.raises(CheckpointLoadError, match=r"is empty \(0 bytes\)"):
+        strategy.load_checkpoint(path, state=model)
+
+
 def test_what_upstream_cannot_read_is_not_a_path_error(tmp_path):
     """A Hugging Face directory is no checkpoint to upstream, but this package reads it: no `ValueError`."""
     torch.manual_seed(0)

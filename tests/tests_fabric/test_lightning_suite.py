@@ -36,7 +36,7 @@ PATCHED_TREE_TESTS = (*STRATEGY_TESTS, "tests_fabric/test_connector.py", "tests_
 #: Upstream's tests that fail on purpose, with the reason (the list in docs/source-fabric/upstream.rst).
 INTENDED_CHANGES = {
     # The last call loads an empty file into a `Mock(spec=nn.Module)` through a mocked `torch.load`. The new loader
-    # reads the model's layout before the file (a `Mock`'s `modules()` is not iterable) and refuses an empty file.
+    # reads the file itself and refuses an empty one (`CheckpointLoadError`: "is empty (0 bytes)").
     "test_load_checkpoint_one_fsdp_module_required": "an empty file is not loaded through a mocked `torch.load`",
     "test_load_checkpoint_one_dist_module_required": "an empty file is not loaded through a mocked `torch.load`",
     # Materialised tensors that nothing initialised are NaN; the warning names them when a load leaves them unwritten.

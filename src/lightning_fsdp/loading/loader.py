@@ -115,7 +115,12 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
     a time, and each validates it in its own turn.
 
     """
-    collected = _module_targets(request.module)
+    try:
+        collected = _module_targets(request.module)
+    except Exception as error:  # raised below, after the path is checked, so that every rank raises it
+        collected, layout_error = None, error
+    else:
+        layout_error = None
     total_bytes, total_tensors = _local_totals(collected)
     bar = LoadProgress(
         total_bytes, total_tensors, local_rank=ranks.local_rank, node_rank=ranks.node_rank, enabled=options.progress
@@ -129,12 +134,15 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
         description=f"Loading {str(path)!r}",
     )
     with bar, stagger, _one_error_type():
+        # A path that holds nothing readable is refused before the model is looked at (upstream checks the path first).
+        detected = detect_checkpoint(path)
+        if layout_error is not None:
+            raise layout_error
         # FSDP's path runs collectives and the shard-local one does not: one rank that cannot serve its part
         # shard-locally takes every rank with it, or the others would wait for it until the process group timed out.
         if stagger.any_rank(collected is None) and collected is not None:
             _warn_fallback("another rank cannot load its part of the model shard-locally")
             collected = None
-        detected = detect_checkpoint(path)
         if detected.format is CheckpointFormat.FABRIC_SHARDED:
             result = _load_sharded(path, request, stagger)
         elif collected is not None and detected.reads_whole(request.weights_only):
