@@ -336,20 +336,39 @@ def _split_entries(
         source = make_source(module_entry)
         return OpenedCheckpoint(source, entries, raw=False, top_level_keys=keys, extra_sources=extra_sources)
     if content and not any(isinstance(value, torch.Tensor) for value in content.values()):
-        shown = ", ".join(repr(key) for key in keys[:10])
-        raise CheckpointLoadError(
-            f"The checkpoint {str(path)!r} has no entry {module_key!r} for the model, and it is not a raw module state"
-            f" dict either. Its entries are {shown}: pass the model under the key it was saved with, e.g."
-            " `fabric.load(path, {'model': model})`."
-        )
+        raise CheckpointLoadError(_no_module_entry_message(content, module_key, path))
     return OpenedCheckpoint(make_source(content), top_level_keys=keys)
+
+
+def _no_module_entry_message(content: Mapping[Any, Any], module_key: str | None, path: Path) -> str:
+    """The refusal of a checkpoint without ``module_key``, naming the calls that load this file's module state."""
+    shown = _shown_entries(content)
+    states = _module_state_entries(content)
+    refusal = (
+        f"The checkpoint {str(path)!r} has no entry {module_key!r} for the model, and it is not a raw module state"
+        f" dict either. Its entries are {shown}"
+    )
+    if not states:
+        return (
+            f"{refusal}, and none of them holds a module state (a dict of tensors): it holds no model weights to load."
+            " Check the path."
+        )
+    calls = [f"`fabric.load(path, {{{key!r}: model}})`" for key in states[:5]]
+    if len(states) == 1:
+        if states[0] in _MODULE_ENTRIES:  # what `load_raw` picks by itself
+            calls.insert(0, "`fabric.load_raw(path, model)`")
+        return f"{refusal}; the model's weights are under {states[0]!r}. Load them with {' or '.join(calls)}."
+    return (
+        f"{refusal}, and {len(states)} of them hold a module state ({', '.join(map(repr, states[:5]))}). Name the one"
+        f" to load as the key of the model: {' or '.join(calls)}."
+    )
 
 
 def _module_entry(content: Mapping[Any, Any], path: Path) -> str:
     """The one entry of a checkpoint that holds a module state (``model`` of Fabric, ``state_dict`` of Lightning)."""
-    states = [str(key) for key, value in content.items() if _looks_like_module_state(value)]
+    states = _module_state_entries(content)
     known = [key for key in _MODULE_ENTRIES if key in states]
-    shown = ", ".join(repr(str(key)) for key in list(content)[:10]) + (", ..." if len(content) > 10 else "")
+    shown = _shown_entries(content)
     if len(known) == 1 and len(states) == 1:
         return known[0]
     if not states:
@@ -365,6 +384,14 @@ def _module_entry(content: Mapping[Any, Any], path: Path) -> str:
         f"{'' if known else f' (it takes one entry named {_MODULE_ENTRIES[0]!r} or {_MODULE_ENTRIES[1]!r})'}."
         f" Name the entry to load as the key of the model: {choices}."
     )
+
+
+def _module_state_entries(content: Mapping[Any, Any]) -> list[str]:
+    return [str(key) for key, value in content.items() if _looks_like_module_state(value)]
+
+
+def _shown_entries(content: Mapping[Any, Any]) -> str:
+    return ", ".join(repr(str(key)) for key in list(content)[:10]) + (", ..." if len(content) > 10 else "")
 
 
 def _looks_like_module_state(value: Any) -> bool:
