@@ -11,7 +11,7 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Command line: ``python -m lightning_fsdp.upstream LIGHTNING_SRC [--dry-run] [--notes]``."""
+"""Command line: ``python -m lightning_fsdp.upstream LIGHTNING_SRC [--dry-run] [--notes] [--series]``."""
 
 import argparse
 import sys
@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _series(tree: Path, descriptions: Path | None, dry_run: bool) -> int:
-    from lightning_fsdp.upstream._series import series
+    from lightning_fsdp.upstream._series import check_clean_checkout, series
 
     try:
+        if not dry_run:
+            check_clean_checkout(tree)
         planned = series(tree)
         hashes = [] if dry_run else planned.commit(descriptions)
     except UpstreamError as error:
