@@ -18,8 +18,8 @@ commit below a series already committed there, the series is committed first (``
 commit, it runs Lightning's tests of the strategies (the four files of ``test_lightning_suite.py``) on the tree's own
 ``src/``, and the carried tests of this project that the step adds, with ``lightning_fsdp`` impossible to import. It
 prints, per step: Lightning's tests passed, failed and edited on purpose (the step's ``lightning_edits`` and those of
-the steps before), ours passed, and the lines the step changes. It fails unless, at every step, exactly the edited
-tests fail and ours pass.
+the steps before, each edited in the step that needs it), ours passed, and the lines the step changes. It fails
+unless, at every step, Lightning's tests and ours pass.
 """
 
 import argparse
@@ -114,11 +114,10 @@ def main() -> int:
             for number, (commit, step) in enumerate(zip(commits, STEPS, strict=True), 1):
                 started = time.monotonic()
                 git(tree, "checkout", "--quiet", "--detach", commit)
-                edited |= {test.split("::")[-1] for test, _ in step.lightning_edits}
+                edited |= {edit.node_id for edit in step.lightning_edits}
                 theirs = pytest(tree, list(LIGHTNING_TESTS), block, Path(work) / "report.xml")
-                failed = {name.split("::")[-1].split("[")[0] for name in theirs["failed"]}
-                if failed != edited:
-                    failures.append(f"step {number}: Lightning's failed {sorted(failed)}, edited {sorted(edited)}")
+                if theirs["failed"]:
+                    failures.append(f"step {number}: Lightning's tests failed: {theirs['failed']}")
                 added = git(tree, "show", "--name-only", "--format=", commit).split()
                 ours_files = [
                     path.removeprefix("tests/")

@@ -12,10 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from lightning_fsdp.upstream import plan
+from lightning_fsdp.upstream import UpstreamError, plan
 from lightning_fsdp.upstream.__main__ import main
 from lightning_fsdp.upstream._apply import Change, Plan
-from lightning_fsdp.upstream._series import STEPS, _manifest_items, assign, restriction, unresolved_imports
+from lightning_fsdp.upstream._series import (
+    STEPS,
+    _edited_tests,
+    _manifest_items,
+    assign,
+    restriction,
+    unresolved_imports,
+)
 from tests.tests_fabric.test_upstream import installed_lightning_tree
 
 pytestmark = pytest.mark.package_only
@@ -123,3 +130,22 @@ def test_series_refuses_a_checkout_with_uncommitted_changes(tmp_path):
         assert main([str(tree), "--series"]) == 1
     assert "has uncommitted changes: commit or discard them before `--series`" in err.getvalue()
     assert _git(tree, "log", "--format=%s") == "base\n"
+
+
+def test_lightnings_tests_are_edited_where_a_step_changes_their_behaviour(tmp_path):
+    """Each edit replaces its lines inside its test; lines that moved or changed stop the series."""
+    edit = STEPS[0].lightning_edits[0]
+    test_file = tmp_path / "tests" / edit.file
+    test_file.parent.mkdir(parents=True)
+    other = "def test_other():\n    pass\n"
+    test_file.write_text(f"{other}\n\n@mock.patch('x')\n{edit.old}    assert True\n")
+    notes: list[str] = []
+    (change,) = _edited_tests(tmp_path, [edit], notes)
+    assert change.new == f"{other}\n\n@mock.patch('x')\n{edit.new}    assert True\n"
+    assert notes == []
+    test_file.write_text(f"{other}\n\n{edit.old.replace('raise', 'raises')}")
+    with pytest.raises(UpstreamError, match=f"the lines of `{edit.test}` that the series edits were found 0 times"):
+        _edited_tests(tmp_path, [edit], notes)
+    test_file.unlink()
+    assert _edited_tests(tmp_path, [edit], notes) == []
+    assert notes == [f"not edited: tests/{edit.file} ({edit.test}), which the tree lacks"]

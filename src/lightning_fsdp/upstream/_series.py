@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_fsdp.upstream._apply import Plan, Restriction, find_root, plan
+from lightning_fsdp.upstream._apply import Change, Plan, Restriction, find_root, plan
 from lightning_fsdp.upstream._merge import _used_names, upstream_base
 from lightning_fsdp.upstream._rewrite import import_from_text
 from lightning_fsdp.upstream._source import (
@@ -60,7 +60,7 @@ class Step:
     ``carries`` lists what it brings: a path of this project (a glob: the whole file), ``path::Name`` or
     ``path::Class.member`` (one definition of a Python file; the rest of the file stays with the step that carries
     the file), ``CHANGELOG.md::<start of an entry>``, or ``connector`` (the connector's GPU-only check removed).
-    ``lightning_edits`` are Lightning's own tests that fail on purpose after this step, with the reason.
+    ``lightning_edits`` are the edits of Lightning's own tests that this step makes on purpose, with the reason.
 
     """
 
@@ -72,31 +72,98 @@ class Step:
     effect: str
     behaviour: str = "None."
     size: str = ""
-    lightning_edits: tuple[tuple[str, str], ...] = ()
+    lightning_edits: tuple["LightningEdit", ...] = ()
 
 
-_CPU_EDIT = (
-    "tests_fabric/test_connector.py::test_fsdp_unsupported_on_cpu",
-    "asserts the check this step removes: FSDP now runs on CPU with the `gloo` backend.",
+@dataclass(frozen=True)
+class LightningEdit:
+    """An edit of one of Lightning's tests that a step makes on purpose: ``old``, lines inside the test, become ``new``.
+
+    Only our replacement text is stored; Lightning's lines are found in the tree and must be there exactly once.
+
+    """
+
+    file: str  # relative to the tree's tests/
+    test: str
+    old: str
+    new: str
+    reason: str
+
+    @property
+    def node_id(self) -> str:
+        return f"{self.file}::{self.test}"
+
+
+_CPU_EDIT = LightningEdit(
+    "tests_fabric/test_connector.py",
+    "test_fsdp_unsupported_on_cpu",
+    old="""def test_fsdp_unsupported_on_cpu(_):
+    \"\"\"Test that we raise an error if attempting to run FSDP without GPU.\"\"\"
+    with pytest.raises(ValueError, match="You selected the FSDP strategy but FSDP is only available on GPU"):
+        _Connector(accelerator="cpu", strategy="fsdp")
+""",
+    new="""def test_fsdp_on_cpu(_):
+    \"\"\"Test that FSDP runs on CPU (with the `gloo` backend).\"\"\"
+    connector = _Connector(accelerator="cpu", strategy="fsdp")
+    assert isinstance(connector.strategy, FSDPStrategy)
+    assert isinstance(connector.accelerator, CPUAccelerator)
+""",
+    reason="it asserted the check that this step removes; it now asserts that FSDP is set up on CPU (renamed"
+    " `test_fsdp_on_cpu`).",
+)
+_EMPTY_FILE_OLD = """    # A raw nn.Module instead of a dictionary is ok
+    model = Mock(spec=nn.Module)
+    model.parameters.return_value = [torch.zeros(2, 1)]
+    path = tmp_path / "full.ckpt"
+    path.touch()
+    strategy.load_checkpoint(path=path, state=model)
+"""
+_EMPTY_FILE_NEW = """    # A raw nn.Module instead of a dictionary is ok, but an empty file is refused by its content
+    from lightning.fabric.utilities.checkpoint_loading.errors import CheckpointLoadError
+
+    model = Mock(spec=nn.Module)
+    model.parameters.return_value = [torch.zeros(2, 1)]
+    path = tmp_path / "full.ckpt"
+    path.touch()
+    with pytest.raises(CheckpointLoadError, match=r"is empty \\(0 bytes\\)"):
+        strategy.load_checkpoint(path=path, state=model)
+"""
+_EMPTY_FILE_REASON = (
+    "its last call loaded an empty file into a `Mock` module through a mocked `torch.load`; the loader reads the file"
+    " itself, by its own structure, and refuses an empty one (`is empty (0 bytes). Was the save interrupted?`). The"
+    " checks before it are unchanged."
 )
 _EMPTY_FILE_EDITS = (
-    (
-        "tests_fabric/strategies/test_fsdp.py::test_load_checkpoint_one_fsdp_module_required",
-        "its last call loads an empty file into a `Mock` module through a mocked `torch.load`; the loader reads the"
-        " file itself, by its own structure, and refuses an empty file (`is empty (0 bytes). Was the save"
-        " interrupted?`). The checks before it pass unchanged.",
+    LightningEdit(
+        "tests_fabric/strategies/test_fsdp.py",
+        "test_load_checkpoint_one_fsdp_module_required",
+        _EMPTY_FILE_OLD,
+        _EMPTY_FILE_NEW,
+        _EMPTY_FILE_REASON,
     ),
 )
 _MODEL_PARALLEL_EDITS = (
-    (
-        "tests_fabric/strategies/test_model_parallel.py::test_load_checkpoint_one_dist_module_required",
-        "as `test_load_checkpoint_one_fsdp_module_required` for `FSDPStrategy`: an empty file is refused, by its"
-        " content, before the model is looked at.",
+    LightningEdit(
+        "tests_fabric/strategies/test_model_parallel.py",
+        "test_load_checkpoint_one_dist_module_required",
+        _EMPTY_FILE_OLD,
+        _EMPTY_FILE_NEW,
+        _EMPTY_FILE_REASON,
     ),
-    (
-        "tests_fabric/strategies/test_model_parallel.py::test_meta_device_materialization",
-        "the warning about modules without `reset_parameters()` moves from `setup_module` to the load that leaves"
-        " their tensors unwritten (it names them); the model's own initialisation runs on each rank's shards.",
+    LightningEdit(
+        "tests_fabric/strategies/test_model_parallel.py",
+        "test_meta_device_materialization",
+        old=(
+            '    with pytest.warns(UserWarning, match=r"`reset_parameters\\(\\)` method for re-initialization:'
+            ' NoResetParameters"):\n'
+            "        model = strategy.setup_module(model)\n"
+        ),
+        new=(
+            "    # Modules without `reset_parameters()` are allowed; a load that leaves their tensors unwritten warns\n"
+            "    model = strategy.setup_module(model)\n"
+        ),
+        reason="the warning about modules without `reset_parameters()` moves from `setup_module` to the load that"
+        " leaves their tensors unwritten (it names them); the model's own initialisation runs on each rank's shards.",
     ),
 )
 
@@ -534,8 +601,8 @@ class Series:
             *(["- none of its own beyond Lightning's tests below"] if not tests else []),
             "",
             "Lightning's `tests_fabric` strategy tests pass after this step"
-            + (", except these, which fail on purpose:" if step.lightning_edits else "."),
-            *(f"- `{test}`: {reason}" for test, reason in step.lightning_edits),
+            + (", with these edited on purpose:\n" if step.lightning_edits else "."),
+            *(f"- `{edit.node_id}`: {edit.reason}" for edit in step.lightning_edits),
             "",
             "## Behaviour changes",
             "",
@@ -620,6 +687,10 @@ def series(tree: Path, steps: tuple[Step, ...] = STEPS) -> Series:
     if last != whole:
         differing = sorted(path for path in last.keys() | whole.keys() if last.get(path) != whole.get(path))
         problems.append("the last step is not the one-shot change: " + ", ".join(differing[:10]))
+    for number in range(1, len(steps) + 1):
+        plans[number - 1].changes += _edited_tests(
+            root, [edit for step in steps[:number] for edit in step.lightning_edits]
+        )
     # What the one-shot change leaves unresolved is a note for a maintainer (``--notes``), not a step's fault.
     known = set(unresolved_imports(root, one_shot))
     for number, step_plan in enumerate(plans, 1):
@@ -629,6 +700,42 @@ def series(tree: Path, steps: tuple[Step, ...] = STEPS) -> Series:
     if problems:
         raise UpstreamError("the series is not consistent:\n" + _listed(problems))
     return Series(root, steps, plans)
+
+
+def _edited_tests(root: Path, edits: list[LightningEdit], notes: list[str]) -> list[Change]:
+    """Lightning's test files with ``edits`` made, each edit inside its test and found there exactly once.
+
+    A tree without the test file (an sdist has no tests) gets a note instead.
+
+    """
+    by_file: dict[str, list[LightningEdit]] = {}
+    for edit in edits:
+        by_file.setdefault(edit.file, []).append(edit)
+    changes = []
+    for file, file_edits in sorted(by_file.items()):
+        path = f"tests/{file}"
+        if not (root / path).is_file():
+            notes.append(f"not edited: {path} ({', '.join(edit.test for edit in file_edits)}), which the tree lacks")
+            continue
+        original = (root / path).read_text()
+        source = Source(original, path)
+        text_edits = []
+        for edit in file_edits:
+            test = next(
+                (node for node in source.tree.body if isinstance(node, ast.FunctionDef) and node.name == edit.test),
+                None,
+            )
+            start, end = source.block(test) if test is not None else (0, 0)
+            found = original.count(edit.old, start, end)
+            if found != 1:
+                raise UpstreamError(
+                    f"{path}: the lines of `{edit.test}` that the series edits were found {found} times in the test"
+                    " (the tree's test changed): update the edit in `lightning_fsdp/upstream/_series.py`."
+                )
+            offset = original.index(edit.old, start, end)
+            text_edits.append(Edit(offset, offset + len(edit.old), edit.new))
+        changes.append(Change(path, original, apply_edits(original, text_edits), "Lightning's tests, edited"))
+    return changes
 
 
 def _listed(problems: list[str]) -> str:
