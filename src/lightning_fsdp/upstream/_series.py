@@ -688,9 +688,8 @@ def series(tree: Path, steps: tuple[Step, ...] = STEPS) -> Series:
         differing = sorted(path for path in last.keys() | whole.keys() if last.get(path) != whole.get(path))
         problems.append("the last step is not the one-shot change: " + ", ".join(differing[:10]))
     for number in range(1, len(steps) + 1):
-        plans[number - 1].changes += _edited_tests(
-            root, [edit for step in steps[:number] for edit in step.lightning_edits]
-        )
+        edits = [edit for step in steps[:number] for edit in step.lightning_edits]
+        plans[number - 1].changes += _edited_tests(root, edits, plans[number - 1].notes)
     # What the one-shot change leaves unresolved is a note for a maintainer (``--notes``), not a step's fault.
     known = set(unresolved_imports(root, one_shot))
     for number, step_plan in enumerate(plans, 1):
