@@ -20,6 +20,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.agreement import new_namespace
+from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
@@ -98,7 +99,14 @@ def load_into_state(
     options = LoadOptions(
         strategy.load_concurrency, progress=None if strategy.load_progress else False, namespace=namespace
     )
-    result: LoadResult = load(path, request, rank_info(strategy), options)
+    try:
+        result: LoadResult = load(path, request, rank_info(strategy), options)
+    except CheckpointLoadError as error:
+        if error.cause is None:
+            raise  # raised where it happened (a single process): its frames say where
+        # A report of another exception, which keeps its own traceback (`error.cause`): the frames of the machinery
+        # that raised the report on every rank would only push the cause and the fix apart on the user's screen.
+        raise error.with_traceback(None) from error.__cause__
     if result.skipped:
         rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {result.skipped}.")
     if isinstance(state, Module):

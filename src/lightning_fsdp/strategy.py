@@ -42,7 +42,7 @@ from lightning_fsdp.devices import (
     _check_placement,
     _init_context_on_own_device,
 )
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError, unexpected_cause
 from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.materialize import (
     InitRecord,
@@ -269,7 +269,8 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
         The arguments are checked as upstream checks them, with upstream's exception types and messages. A path that
         upstream refuses too (neither a file nor a directory of checkpoint shards) and that holds nothing this method
-        reads raises an error that is both a ``ValueError`` (upstream's) and a ``CheckpointLoadError``.
+        reads raises a :class:`~lightning_fsdp.CheckpointPathError`, both a ``ValueError`` (upstream's type) and a
+        ``CheckpointLoadError``.
 
         Args:
             path: A checkpoint file or directory.
@@ -289,8 +290,10 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         try:
             return load_into_state(self, path, state, request, namespace)
         except Exception as error:
-            _raise_if_upstream_refuses_path(path, error, raw=request.module_key is None)
-            raise
+            refused = _refused_path(path, error, raw=request.module_key is None)
+            if refused is None:
+                raise
+            raise refused from unexpected_cause(refused.cause)
 
     def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block: ``fabric.load`` and ``fabric.load_raw`` take none.
@@ -365,15 +368,6 @@ def _fsdp_kwargs_added(fsdp_kwargs: dict[str, Any], **added: Any) -> Iterator[No
                 fsdp_kwargs.pop(key, None)
 
 
-class _InvalidCheckpointPathError(CheckpointLoadError, ValueError):
-    """A path that upstream refuses with a ``ValueError`` and that this package cannot read either.
-
-    It is both, so that code written against upstream (``except ValueError``, ``pytest.raises(ValueError, match=...)``)
-    and code written against this package (``except CheckpointLoadError``) keep working.
-
-    """
-
-
 def _checked_state(
     state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None,
 ) -> tuple[Module | dict[str, Any], str | None]:
@@ -396,36 +390,39 @@ def _checked_state(
     return state, _fsdp_module_key(state)
 
 
-def _raise_if_upstream_refuses_path(path: Path, error: Exception, raw: bool) -> None:
-    """Raise upstream's ``ValueError`` for a path it refuses, if this package cannot read that path either.
+def _refused_path(path: Path, error: Exception, raw: bool) -> CheckpointPathError | None:
+    """The :class:`CheckpointPathError` (a ``ValueError``, as upstream's) to raise instead of ``error``, or ``None``.
 
     Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
     directory with a distributed checkpoint's ``.metadata``. This package reads more (Hugging Face directories, a
-    sharded checkpoint for ``load_raw``), so it only answers as upstream does where the path holds nothing it reads
+    sharded checkpoint for ``load_raw``), so it only answers with upstream's type where the path holds nothing it reads
     either: the format detection fails here too. The load already ran on every rank, so deciding here after the fact
-    keeps the ranks together.
+    keeps the ranks together. The message says first what is wrong, as the load found it; for a path that exists,
+    upstream's own text follows, for code that matches it.
 
     """
     if path.is_file() or (not raw and _upstream._is_sharded_checkpoint(path)):
-        return
+        return None
     try:
         detect_checkpoint(path)
     except CheckpointLoadError as detection_error:
-        reason = str(error) if isinstance(error, CheckpointLoadError) else str(detection_error)
-        failed_ranks = error.failed_ranks if isinstance(error, CheckpointLoadError) else ()
+        reported = error if isinstance(error, CheckpointLoadError) else detection_error
     else:
-        return
-    if raw:
-        upstream_message = (
-            "Failed to load checkpoint directly into the model. The given path must be a single file containing the"
-            f" full state dict: {path}"
-        )
-    else:
-        upstream_message = (
-            f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
-            " directory with FSDP checkpoint shards, or a single file with a full checkpoint."
-        )
-    raise _InvalidCheckpointPathError(f"{upstream_message}\n{reason}", failed_ranks) from error
+        return None
+    message = str(reported)
+    if path.exists():
+        if raw:
+            upstream_message = (
+                "Failed to load checkpoint directly into the model. The given path must be a single file containing"
+                f" the full state dict: {path}"
+            )
+        else:
+            upstream_message = (
+                f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
+                " directory with FSDP checkpoint shards, or a single file with a full checkpoint."
+            )
+        message += f"\n(Lightning's own `FSDPStrategy` refuses it too: {upstream_message})"
+    return CheckpointPathError(message, reported.failed_ranks, cause=reported)
 
 
 def _fsdp_module_key(state: dict[str, Any]) -> str:
