@@ -102,9 +102,9 @@ def load_into_state(
     try:
         result: LoadResult = load(path, request, rank_info(strategy), options)
     except CheckpointLoadError as error:
-        if error.cause is None:
+        if error.cause is None and not error.failed_ranks:
             raise  # raised where it happened (a single process): its frames say where
-        # A report of another exception, which keeps its own traceback (`error.cause`): the frames of the machinery
+        # A report of a failure (this rank's keeps its own traceback, as `error.cause`): the frames of the machinery
         # that raised the report on every rank would only push the cause and the fix apart on the user's screen.
         raise error.with_traceback(None) from error.__cause__
     if result.skipped:

@@ -52,9 +52,9 @@ def test_a_failed_load_prints_each_ranks_error_once_and_short(tmp_path: Path):
     assert process.returncode != 0, output  # the last error is uncaught, as in a user's script
     # The launch's banner comes first; the script marks the end of each case but the last.
     failures = re.split(r"^=== end of .*\n", output.split("-" * 100 + "\n\n", 1)[1], flags=re.MULTILINE)
-    assert len(failures) == 3, output
+    assert len(failures) == 4, output
     headings = _troubleshooting_headings()
-    for printed, case in zip(failures, ["path typo", "shape mismatch", "truncated file"], strict=True):
+    for printed, case in zip(failures, ["path typo", "shape mismatch", "rank 1 fails", "truncated file"], strict=True):
         lines = printed.splitlines()
         errors = [match.groups() for match in map(_ERROR_LINE.match, lines) if match]
         # One traceback per rank, without the chained causes that repeated the same text: the error once, short.
@@ -62,6 +62,7 @@ def test_a_failed_load_prints_each_ranks_error_once_and_short(tmp_path: Path):
         assert printed.count("Traceback (most recent call last)") == 2, printed
         assert "The above exception" not in printed, printed
         assert "During handling" not in printed, printed
+        assert "agreement.py" not in printed, printed  # the machinery that raised it on every rank is left out
         assert len(lines) <= 2 * _MAX_LINES_PER_RANK, printed
         (text,) = {text for _, text in errors}  # every rank raised the same error
         assert "_InvalidCheckpointPathError" not in printed

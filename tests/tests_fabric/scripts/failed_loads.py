@@ -1,4 +1,4 @@
-"""Three loads that fail, on 2 CPU ranks that Fabric launches itself, printed as a user's terminal shows them.
+"""Four loads that fail, on 2 CPU ranks that Fabric launches itself, printed as a user's terminal shows them.
 
 Usage: python failed_loads.py WORKDIR
 
@@ -29,10 +29,18 @@ def main() -> None:
         (work / "truncated.pt").write_bytes(data[: len(data) // 2])
     fabric.barrier()
     model = fabric.setup_module(nn.Linear(8, 8))
-    cases = {"path typo": work / "modle.pt", "shape mismatch": work / "other-shape.pt"}
-    for case, path in cases.items():
+    # On one rank only, a rename that matches no name: a failure that the other rank reports (as a file that one
+    # node cannot read would be).
+    one_rank_fails = {"": "other."} if fabric.global_rank == 1 else {}
+    cases = {
+        "path typo": (work / "modle.pt", {}),
+        "shape mismatch": (work / "other-shape.pt", {}),
+        "rank 1 fails": (work / "model.pt", one_rank_fails),
+    }
+    for case, (path, rename) in cases.items():
         try:
-            fabric.load_raw(path, model)
+            with fabric.strategy.load_options(rename=rename):
+                fabric.load_raw(path, model)
         except Exception:
             sys.excepthook(*sys.exc_info())
             sys.stderr.flush()
