@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
+from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -20,7 +21,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.agreement import new_namespace
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError
+from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
@@ -137,3 +139,38 @@ def load_options(strategy: LoadingStrategy, rename: Rename | None) -> Iterator[N
         yield
     finally:
         strategy._load_rename = previous
+
+
+def refused_path(path: Path, error: Exception, raw: bool, strategy: str, shards: str) -> CheckpointPathError | None:
+    """The :class:`CheckpointPathError` (a ``ValueError``, as upstream's) to raise instead of ``error``, or ``None``.
+
+    Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
+    directory with a distributed checkpoint's ``.metadata``. This package reads more (Hugging Face directories, a
+    sharded checkpoint for ``load_raw``), so it only answers with upstream's type where the path holds nothing it reads
+    either: the format detection fails here too. The load already ran on every rank, so deciding here after the fact
+    keeps the ranks together. The message says first what is wrong, as the load found it; for a path that exists,
+    the text of upstream's ``strategy`` follows (``shards`` names the sharded format in it), for code that matches it.
+
+    """
+    if path.is_file() or (not raw and _is_sharded_checkpoint(path)):
+        return None
+    try:
+        detect_checkpoint(path)
+    except CheckpointLoadError as detection_error:
+        reported = error if isinstance(error, CheckpointLoadError) else detection_error
+    else:
+        return None
+    message = str(reported)
+    if path.exists():
+        if raw:
+            upstream_message = (
+                "Failed to load checkpoint directly into the model. The given path must be a single file containing"
+                f" the full state dict: {path}"
+            )
+        else:
+            upstream_message = (
+                f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
+                f" directory with {shards}, or a single file with a full checkpoint."
+            )
+        message += f"\n(Lightning's own `{strategy}` refuses it too: {upstream_message})"
+    return CheckpointPathError(message, reported.failed_ranks, cause=reported)
