@@ -18,7 +18,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, unexpected_cause
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.materialize import init_record
@@ -156,13 +156,14 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
 
 @contextmanager
 def _one_error_type() -> Iterator[None]:
-    """Every failure of a load is a :class:`CheckpointLoadError` with a short message; the cause stays chained."""
+    """Every failure of a load is a :class:`CheckpointLoadError` with a short message; the error is its ``cause``."""
     try:
         yield
     except CheckpointLoadError:
         raise
     except Exception as error:
-        raise CheckpointLoadError(f"{type(error).__name__}: {first_line(error)}") from error
+        message = f"{type(error).__name__}: {first_line(error)}"
+        raise CheckpointLoadError(message, cause=error) from unexpected_cause(error)
 
 
 def _load_file(
@@ -187,11 +188,13 @@ def _load_file(
                 if request.optimizers
                 else "The model on the failing rank is"
             )
-            raise CheckpointLoadError(
+            failure = CheckpointLoadError(
                 f"Writing the checkpoint into the model failed after it was validated: {error} {what} now partially"
                 " loaded, and the other ranks may have loaded fully, so the ranks differ: load the checkpoint again"
-                " before using the model."
-            ) from error
+                " before using the model.",
+                cause=error,
+            )
+            raise failure from unexpected_cause(error)
         requested = {key: opened.entries[key] for key in request.metadata_keys if key in opened.entries}
         remainder = {
             key: value
