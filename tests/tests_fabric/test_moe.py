@@ -223,3 +223,15 @@ def test_a_transposed_piece_is_read_whole_and_transposed(tmp_path):
         assert torch.equal(source.read_flat("experts.fused", 7, 22), expected.reshape(-1)[7:22])
     finally:
         opened.close()
+
+
+def test_an_operation_that_cannot_be_read_shard_locally_is_refused(tmp_path):
+    """A declared `Interleave` is refused with the conversion named and a fix, never `strict=False`."""
+    from transformers.core_model_loading import Interleave, WeightConverter
+
+    specs = {"experts.w13_weight": TensorSpec((2, 8, 4), torch.float32)}
+    converter = WeightConverter("experts.w13_weight", "experts.gate_up_proj", [Interleave(dim=1)])
+    with pytest.raises(CheckpointLoadError, match=r"cannot read `Interleave\(dim=1\)` shard-locally") as error:
+        build_composite("experts.gate_up_proj", converter, {"experts.w13_weight": list(specs)}, specs, None)
+    assert "from_pretrained(path)" in str(error.value)
+    assert "strict=False" not in str(error.value)
