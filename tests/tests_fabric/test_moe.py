@@ -235,3 +235,22 @@ def test_an_operation_that_cannot_be_read_shard_locally_is_refused(tmp_path):
         build_composite("experts.gate_up_proj", converter, {"experts.w13_weight": list(specs)}, specs, None)
     assert "from_pretrained(path)" in str(error.value)
     assert "strict=False" not in str(error.value)
+
+
+def test_a_transformers_model_inside_another_module_aligns_after_converting(tmp_path):
+    """The conversions name the file's tensors as `from_pretrained` would; the usual prefix alignment then applies."""
+    from lightning_fsdp.loading.validation import plan_load
+
+    directory = _save_pretrained(tmp_path / "qwen2_moe", "qwen2_moe")
+    wrapper = nn.Module()
+    wrapper.model = _model_class("qwen2_moe")(_config("qwen2_moe"))  # as in a LightningModule
+    targets = _targets(wrapper)
+    opened = open_checkpoint(detect_checkpoint(Path(directory)), None, True)
+    try:
+        source = with_declared_conversions(wrapper, opened.source, targets)
+        plan = plan_load(targets, source.specs(), strict=True)
+    finally:
+        opened.close()
+    assert plan.aligned == {"": "model."}
+    assert plan.sources["model.model.layers.1.mlp.experts.down_proj"] == "model.layers.1.mlp.experts.down_proj"
+    assert len(plan.sources) == len(targets)
