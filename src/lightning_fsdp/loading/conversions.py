@@ -78,8 +78,6 @@ class Composite:
     spec: TensorSpec
     pieces: tuple[Piece, ...]
     segments: tuple[_Segment, ...]
-    conversion: str
-    """How transformers declares it, for messages."""
 
     @property
     def starts(self) -> list[int]:
@@ -255,7 +253,7 @@ def build_composite(
         indices = [[range(start, start + size)] for start, size in zip(piece.offset, piece.size, strict=True)]
         segments.extend(_Segment(run.start, run.count, index, run.offset) for run in index_runs(result.shape, indices))
     segments.sort(key=lambda segment: segment.start)
-    return Composite(TensorSpec(result.shape, dtypes.pop()), result.pieces, tuple(segments), described)
+    return Composite(TensorSpec(result.shape, dtypes.pop()), result.pieces, tuple(segments))
 
 
 def _leaf(name: str, spec: TensorSpec) -> Piece:
