@@ -291,3 +291,30 @@ def test_experts_load_into_a_column_sharded_layout(tmp_path):
     """Each rank holds half of every expert row: strided runs over the fused tensor, one per row, from the pieces."""
     directory = _save_pretrained(tmp_path / "mixtral", "mixtral")
     assert run_distributed(_load_tensor_parallel, directory, devices=2) == [[], []]
+
+
+def test_conversions_that_transformers_cannot_read_leave_the_names_as_they_are(tmp_path):
+    """Declarations that raise inside transformers: one warning, and the file's names are matched as they are."""
+
+    class _Config(transformers.PretrainedConfig):
+        model_type = "lightning_fsdp_test_custom"
+
+    class _Custom(transformers.PreTrainedModel):
+        config_class = _Config
+
+        def __init__(self) -> None:
+            super().__init__(_Config())
+            self.linear = nn.Linear(2, 2)
+
+        def is_custom_code(self) -> bool:
+            raise RuntimeError("the custom code cannot be found")
+
+    path = tmp_path / "model.safetensors"
+    model = _Custom()
+    save_file(model.state_dict(), path)
+    opened = open_checkpoint(detect_checkpoint(path), None, True)
+    try:
+        with pytest.warns(UserWarning, match=r"could not read the weight conversions that _Custom declares \(Runtime"):
+            assert with_declared_conversions(model, opened.source, _targets(model)) is opened.source
+    finally:
+        opened.close()

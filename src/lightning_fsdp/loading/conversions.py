@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
@@ -205,7 +206,14 @@ def _declared_transforms(module: Module) -> list[Any]:
     model = next((submodule for submodule in module.modules() if isinstance(submodule, PreTrainedModel)), None)
     if model is None:
         return []
-    return list(get_model_conversion_mapping(model))
+    try:
+        return list(get_model_conversion_mapping(model))
+    except Exception as error:  # a model of custom code that transformers cannot read: its names load as they are
+        rank_zero_warn(
+            f"lightning-fsdp could not read the weight conversions that {type(model).__name__} declares"
+            f" ({type(error).__name__}: {error}); the checkpoint's names are matched as they are."
+        )
+        return []
 
 
 def build_composite(
