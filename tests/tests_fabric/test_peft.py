@@ -134,3 +134,16 @@ def test_the_insertion_advised_keeps_shapes():
         "`rename=lambda name: name.replace('.q_proj.', '.q_proj.base_layer.')`, 2 of the model's 4 tensors" in message
     )
     assert "The other 2 ('layers.0.q_proj.lora_A.default.weight', 'layers.1.q_proj.lora_A.default.weight')" in message
+
+
+def test_what_the_advised_rename_does_not_load_is_named():
+    """Tensors of the file that the model lacks, even after the rename, are named with the `strict=False` they need."""
+    names = [f"layers.{i}.{part}.weight" for i in range(3) for part in ("attn", "block_sparse_moe")] + ["extra.weight"]
+    targets = _targets([name.replace("block_sparse_moe", "mlp") for name in names if name != "extra.weight"])
+    with pytest.raises(CheckpointLoadError) as error:
+        plan_load(targets, _specs(names), strict=True)
+    message = str(error.value)
+    assert (
+        "6 of the model's 6 tensors load. The file's 1 other tensor(s) ('extra.weight') are not in the model" in message
+    )
+    assert "add `strict=False` to ignore them" in message

@@ -484,6 +484,8 @@ class InnerRename:
     """How many of the model's tensors the checkpoint feeds with this rename."""
     left: list[str]
     """The model's tensors that the checkpoint does not hold even then."""
+    extra: list[str] = field(default_factory=list)
+    """The checkpoint's tensors (names in the file) that the model does not hold even then."""
 
     def __call__(self, name: str) -> str:
         renamed = _rename_one(name, self.prefix) if self.prefix else name
@@ -511,6 +513,11 @@ class InnerRename:
                 f" The other {len(self.left)} ({_names(self.left)}) are not in this file: add `strict=False` to leave"
                 " them as they are (an adapter's tensors when the file holds the base model, or the base model's when"
                 " it holds an adapter)."
+            )
+        if self.extra:
+            partial += (
+                f" The file's {len(self.extra)} other tensor(s) ({_names(self.extra)}) are not in the model:"
+                f" {'`strict=False` also ignores them' if self.left else 'add `strict=False` to ignore them'}."
             )
         return (
             f"The checkpoint's names differ from the model's inside, not only by a prefix: they match once"
@@ -583,7 +590,8 @@ def _inner_rename(
     if matched <= max(matched_now, best_matched):
         return None
     left = [target.names[0] for target in targets if not any(name in renamed for name in target.names)]
-    return InnerRename(best, tuple(chosen.items()), matched, left)
+    extra = [original for new, original in renamed.items() if new not in target_names]
+    return InnerRename(best, tuple(chosen.items()), matched, left, extra)
 
 
 def _best_candidate(
