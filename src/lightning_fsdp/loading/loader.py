@@ -182,7 +182,7 @@ def _load_file(
         if stagger is not None:
             stagger.agree_on_success()
         try:
-            _apply(request, opened, collected, prepared, ranks.world_size, bar)
+            _apply(request, collected, prepared, ranks.world_size, bar)
             opened.check_unchanged()
         except Exception as error:
             what = (
@@ -272,7 +272,6 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
 
 def _apply(
     request: LoadRequest,
-    opened: OpenedCheckpoint,
     collected: ModuleTargets | None,
     prepared: _Prepared,
     world_size: int,
