@@ -53,8 +53,8 @@ def _load_base_and_adapter(base: str, adapter: str, layout: str) -> list[str]:
     if layout == "fsdp1":
         from peft.utils.other import fsdp_auto_wrap_policy
 
-        # FSDP1 flattens each unit's parameters into one: peft's frozen base and trainable adapter need their own
-        # parameters kept (`use_orig_params=True`); peft's policy wraps the adapters in units of their own.
+        # FSDP1 flattens each unit's parameters into one: a unit of peft's frozen base and trainable adapter needs
+        # `use_orig_params=True` (Fabric's default); peft's policy wraps the adapters in units of their own.
         policy = fsdp_auto_wrap_policy(peft.get_peft_model(transformers.LlamaForCausalLM(config), _lora_config()))
         strategy = FSDPStrategy(auto_wrap_policy=policy, use_orig_params=True)
     else:

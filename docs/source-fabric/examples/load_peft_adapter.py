@@ -61,8 +61,8 @@ def adapter_names(name: str) -> str:
 
 
 def main() -> None:
-    # FSDP1 flattens the parameters of each unit into one: peft's frozen base weights and trainable adapter weights
-    # must keep their own parameters, which needs `use_orig_params=True`. peft's policy puts each adapter in a unit.
+    # FSDP1 flattens the parameters of each unit into one: a unit that holds peft's frozen base weights and its
+    # trainable adapter needs `use_orig_params=True` (Fabric's default). peft's policy puts each adapter in a unit.
     policy = fsdp_auto_wrap_policy(get_peft_model(LlamaForCausalLM(CONFIG), lora_config()))
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy=policy, use_orig_params=True))
     fabric.launch()
