@@ -64,7 +64,8 @@ setup_note=""
 echo "make setup: from a fresh clone it installs torch==$TORCH_VERSION (on Linux x86_64, PyPI's is the CUDA build:"
 echo "about 3 GB with NVIDIA's libraries, one to three minutes), then this package with its test extra."
 # TORCH_SPEC, when given, reaches `make` from the environment (or from `make test-gpu TORCH_SPEC=...`).
-if ! timeout "$(left)" make -s setup VENV="$VENV" PYTHON="${PYTHON:-python3}"; then
+# Without the CPU index that `make setup` otherwise prefers: the CUDA build is wanted here.
+if ! timeout "$(left)" make -s setup VENV="$VENV" PYTHON="${PYTHON:-python3}" TORCH_CPU_INDEX=; then
   echo "make test-gpu: FAILED: \`make setup\` did not finish (see above)."
   exit 1
 fi

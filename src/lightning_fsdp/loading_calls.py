@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
 
+from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -20,6 +21,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.agreement import new_namespace
+from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
@@ -129,3 +132,44 @@ def load_options(strategy: LoadingStrategy, rename: Rename | None) -> Iterator[N
         yield
     finally:
         strategy._load_rename = previous
+
+
+class _InvalidCheckpointPathError(CheckpointLoadError, ValueError):
+    """A path that upstream refuses with a ``ValueError`` and that this package cannot read either.
+
+    It is both, so that code written against upstream (``except ValueError``, ``pytest.raises(ValueError, match=...)``)
+    and code written against this package (``except CheckpointLoadError``) keep working.
+
+    """
+
+
+def raise_if_upstream_refuses_path(path: Path, error: Exception, raw: bool, shards: str) -> None:
+    """Raise upstream's ``ValueError`` for a path it refuses, if this package cannot read that path either.
+
+    Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
+    directory with a distributed checkpoint's ``.metadata``. This package reads more (Hugging Face directories, a
+    sharded checkpoint for ``load_raw``), so it only answers as upstream does where the path holds nothing it reads
+    either: the format detection fails here too. The load already ran on every rank, so deciding here after the fact
+    keeps the ranks together. ``shards`` names the sharded format in upstream's message.
+
+    """
+    if path.is_file() or (not raw and _is_sharded_checkpoint(path)):
+        return
+    try:
+        detect_checkpoint(path)
+    except CheckpointLoadError as detection_error:
+        reason = str(error) if isinstance(error, CheckpointLoadError) else str(detection_error)
+        failed_ranks = error.failed_ranks if isinstance(error, CheckpointLoadError) else ()
+    else:
+        return
+    if raw:
+        upstream_message = (
+            "Failed to load checkpoint directly into the model. The given path must be a single file containing the"
+            f" full state dict: {path}"
+        )
+    else:
+        upstream_message = (
+            f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
+            f" directory with {shards}, or a single file with a full checkpoint."
+        )
+    raise _InvalidCheckpointPathError(f"{upstream_message}\n{reason}", failed_ranks) from error

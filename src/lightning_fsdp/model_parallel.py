@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelParallelStrategy
+from lightning.fabric.strategies import model_parallel as _upstream
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -40,7 +43,6 @@ from lightning_fsdp.loading.materialize import (
     InitRecord,
     MetaMaterializer,
     attach_init_record,
-    has_meta_tensors,
     shared_tensor_names,
 )
 from lightning_fsdp.loading.validation import Rename
@@ -50,6 +52,7 @@ from lightning_fsdp.loading_calls import (
     load_into_state,
     load_options,
     load_request,
+    raise_if_upstream_refuses_path,
 )
 
 if TYPE_CHECKING:
@@ -157,13 +160,11 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         than the rank's own; a ``DTensor`` is checked by its local shard. CPU and meta tensors are allowed.
 
         """
-        strategy = type(self).__name__
-        _check_placement(module, self.root_device, where="before `parallelize_fn`", strategy=strategy)
-        record = InitRecord(ties=shared_tensor_names(module))
+        record = InitRecord()
         with _materializing_after_parallelize(self, record):
             module = super().setup_module(module)
         attach_init_record(module, record)
-        _check_placement(module, self.root_device, where="after `parallelize_fn`", strategy=strategy)
+        _check_placement(module, self.root_device, where="after `parallelize_fn`", strategy=type(self).__name__)
         return module
 
     @override
@@ -196,7 +197,14 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         reads its model entry. See :meth:`lightning_fsdp.FSDPStrategy.load_checkpoint` for the formats, ``strict``
         and ``weights_only``.
 
+        The arguments are checked in upstream's order, with its exception types and messages; a path that holds
+        nothing this method reads raises upstream's ``ValueError``, which is also a ``CheckpointLoadError``. A
+        remote path (an fsspec URL such as ``s3://...``) is left to upstream's method.
+
         """
+        if not _is_local_file_protocol(path):
+            # Remote storage (an fsspec URL) is upstream's to read; the shard-local loader reads local files.
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not state:
             raise ValueError(
                 f"Got {type(self).__name__}.load_checkpoint(..., state={state!r}) but a state with at least "
@@ -210,7 +218,11 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
             )
         module_key = None if isinstance(state, Module) else _distributed_module_key(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
-        return load_into_state(self, path, state, request, namespace)
+        try:
+            return load_into_state(self, path, state, request, namespace)
+        except Exception as error:
+            raise_if_upstream_refuses_path(path, error, raw=module_key is None, shards="distributed checkpoint shards")
+            raise
 
     def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
@@ -221,15 +233,20 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
 def _materializing_after_parallelize(strategy: ModelParallelStrategy, record: InitRecord) -> Iterator[None]:
     """Materialise the model as soon as ``parallelize_fn`` returns it, inside upstream's ``setup_module``.
 
-    Upstream's ``setup_module`` then finds nothing left on the meta device to materialise its way. What nothing
-    initialised goes into ``record``.
+    Upstream's ``setup_module`` then finds nothing left on the meta device to materialise its way. The placement check
+    and the shared tensors are taken just before ``parallelize_fn``, after upstream's own checks of the module; the
+    shared tensors and what nothing initialised go into ``record``.
 
     """
     parallelize_fn = strategy._parallelize_fn
 
     def parallelize_and_materialize(module: Module, device_mesh: "DeviceMesh") -> Module:
+        name = type(strategy).__name__
+        _check_placement(module, strategy.root_device, where="before `parallelize_fn`", strategy=name)
+        record.ties = shared_tensor_names(module)
         module = parallelize_fn(module, device_mesh)
-        if isinstance(module, Module) and has_meta_tensors(module):  # anything else: upstream raises its error
+        # Anything but a module: upstream raises its error.
+        if isinstance(module, Module) and _has_meta_device_parameters_or_buffers(module):
             materializer = MetaMaterializer(module, strategy.root_device)
             materializer.materialize(module)
             record.uninitialized = materializer.uninitialized()
@@ -243,7 +260,11 @@ def _materializing_after_parallelize(strategy: ModelParallelStrategy, record: In
 
 
 def _distributed_module_key(state: dict[str, Any]) -> str:
-    keys = [key for key, obj in state.items() if isinstance(obj, Module) and has_dtensor_params(obj)]
+    keys = [
+        key
+        for key, obj in state.items()
+        if _upstream._has_dtensor_modules(obj) or (isinstance(obj, Module) and has_dtensor_params(obj))
+    ]
     if not keys:
         raise ValueError(
             "Could not find a distributed model in the provided checkpoint state. Please provide the model as"

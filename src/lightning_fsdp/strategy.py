@@ -30,6 +30,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
 from lightning.fabric.strategies import fsdp as _upstream
 from lightning.fabric.strategies.strategy import _apply_filter
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.nn import Module
@@ -42,13 +43,10 @@ from lightning_fsdp.devices import (
     _check_placement,
     _init_context_on_own_device,
 )
-from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.materialize import (
     InitRecord,
     MetaMaterializer,
     attach_init_record,
-    has_meta_tensors,
     shared_tensor_names,
 )
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
@@ -59,6 +57,7 @@ from lightning_fsdp.loading_calls import (
     load_into_state,
     load_options,
     load_request,
+    raise_if_upstream_refuses_path,
 )
 
 if TYPE_CHECKING:
@@ -171,7 +170,11 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             _check_placement(module, self.root_device, where="before wrapping")
         record = InitRecord(ties=shared_tensor_names(module))
         materializer = None
-        if not wrapped and self._fsdp_kwargs.get("param_init_fn") is None and has_meta_tensors(module):
+        if (
+            not wrapped
+            and self._fsdp_kwargs.get("param_init_fn") is None
+            and _upstream._has_meta_device_parameters_or_buffers(module)
+        ):
             materializer = MetaMaterializer(module, self.root_device)
         with _fsdp_kwargs_added(self._fsdp_kwargs, param_init_fn=materializer):
             if self.root_device.type != "cpu":
@@ -269,7 +272,8 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
         The arguments are checked as upstream checks them, with upstream's exception types and messages. A path that
         upstream refuses too (neither a file nor a directory of checkpoint shards) and that holds nothing this method
-        reads raises an error that is both a ``ValueError`` (upstream's) and a ``CheckpointLoadError``.
+        reads raises an error that is both a ``ValueError`` (upstream's) and a ``CheckpointLoadError``. A remote path
+        (an fsspec URL such as ``s3://...``) is left to upstream's method.
 
         Args:
             path: A checkpoint file or directory.
@@ -281,6 +285,9 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 ``False`` only for a file you trust: unpickling can run code.
 
         """
+        if not _is_local_file_protocol(path):
+            # Remote storage (an fsspec URL) is upstream's to read; the shard-local loader reads local files.
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         state, module_key = _checked_state(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
         # broadcast the path from rank 0 to ensure all the states are loaded from a common path (with the namespace of
@@ -289,7 +296,7 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         try:
             return load_into_state(self, path, state, request, namespace)
         except Exception as error:
-            _raise_if_upstream_refuses_path(path, error, raw=request.module_key is None)
+            raise_if_upstream_refuses_path(path, error, raw=request.module_key is None, shards="FSDP checkpoint shards")
             raise
 
     def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
@@ -365,15 +372,6 @@ def _fsdp_kwargs_added(fsdp_kwargs: dict[str, Any], **added: Any) -> Iterator[No
                 fsdp_kwargs.pop(key, None)
 
 
-class _InvalidCheckpointPathError(CheckpointLoadError, ValueError):
-    """A path that upstream refuses with a ``ValueError`` and that this package cannot read either.
-
-    It is both, so that code written against upstream (``except ValueError``, ``pytest.raises(ValueError, match=...)``)
-    and code written against this package (``except CheckpointLoadError``) keep working.
-
-    """
-
-
 def _checked_state(
     state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None,
 ) -> tuple[Module | dict[str, Any], str | None]:
@@ -394,38 +392,6 @@ def _checked_state(
             " Load it together with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
         )
     return state, _fsdp_module_key(state)
-
-
-def _raise_if_upstream_refuses_path(path: Path, error: Exception, raw: bool) -> None:
-    """Raise upstream's ``ValueError`` for a path it refuses, if this package cannot read that path either.
-
-    Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
-    directory with a distributed checkpoint's ``.metadata``. This package reads more (Hugging Face directories, a
-    sharded checkpoint for ``load_raw``), so it only answers as upstream does where the path holds nothing it reads
-    either: the format detection fails here too. The load already ran on every rank, so deciding here after the fact
-    keeps the ranks together.
-
-    """
-    if path.is_file() or (not raw and _upstream._is_sharded_checkpoint(path)):
-        return
-    try:
-        detect_checkpoint(path)
-    except CheckpointLoadError as detection_error:
-        reason = str(error) if isinstance(error, CheckpointLoadError) else str(detection_error)
-        failed_ranks = error.failed_ranks if isinstance(error, CheckpointLoadError) else ()
-    else:
-        return
-    if raw:
-        upstream_message = (
-            "Failed to load checkpoint directly into the model. The given path must be a single file containing the"
-            f" full state dict: {path}"
-        )
-    else:
-        upstream_message = (
-            f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
-            " directory with FSDP checkpoint shards, or a single file with a full checkpoint."
-        )
-    raise _InvalidCheckpointPathError(f"{upstream_message}\n{reason}", failed_ranks) from error
 
 
 def _fsdp_module_key(state: dict[str, Any]) -> str:

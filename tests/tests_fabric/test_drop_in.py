@@ -5,6 +5,7 @@ Lightning changes a message or an exception type. A strategy that was never laun
 tests build one and call its methods directly, and every path must then work as a single process.
 """
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,11 @@ from unittest import mock
 import pytest
 import torch
 from lightning.fabric.strategies import FSDPStrategy as UpstreamFSDPStrategy
+from lightning.fabric.strategies import ModelParallelStrategy as UpstreamModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from lightning_fsdp import CheckpointLoadError, FSDPStrategy
+from lightning_fsdp import CheckpointLoadError, FSDPStrategy, ModelParallelStrategy
 from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import TinyTransformer
@@ -101,6 +103,57 @@ def test_path_errors_are_upstreams_and_ours(tmp_path, case):
     assert isinstance(error, ValueError)
     assert isinstance(error, CheckpointLoadError)
     assert our_reason in str(error)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["load", "load_raw"])
+def test_model_parallel_path_errors_are_upstreams_and_ours(tmp_path, raw):
+    """`ModelParallelStrategy` answers a directory that holds no checkpoint as upstream does, after the model search."""
+    path = tmp_path / "empty"
+    path.mkdir()
+    errors = []
+    # Upstream's own tests patch its model search this way: a model on one process has no `DTensor` parameters.
+    with mock.patch("lightning.fabric.strategies.model_parallel._has_dtensor_modules", return_value=True):
+        for cls in (UpstreamModelParallelStrategy, ModelParallelStrategy):
+            model = nn.Linear(2, 2)
+            strategy = cls(parallelize_fn=lambda module, _: module)
+            load = functools.partial(strategy.load_checkpoint, path, state=model if raw else {"model": model})
+            errors.append(_error_of(load))
+    theirs, ours = errors
+    assert isinstance(ours, type(theirs)), f"upstream raised {theirs!r}, this package {ours!r}"
+    assert str(ours).startswith(str(theirs)), f"upstream: {theirs}\nthis package: {ours}"
+    assert isinstance(ours, CheckpointLoadError)
+    assert "holds no checkpoint" in str(ours)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["load", "load_raw"])
+def test_remote_paths_are_left_to_upstream(raw):
+    """An fsspec URL is read by upstream's method (on Lightning's master, through `cloud_io`): the same outcome."""
+    path = "memory://checkpoints/model.ckpt"
+    errors = [
+        _error_of(
+            functools.partial(
+                _strategy(cls, launched_devices=True).load_checkpoint,
+                path,
+                state=nn.Linear(2, 2) if raw else {"model": _fsdp_model()},
+            )
+        )
+        for cls in (UpstreamFSDPStrategy, FSDPStrategy)
+    ]
+    theirs, ours = errors
+    assert type(ours) is type(theirs), f"upstream raised {theirs!r}, this package {ours!r}"
+    assert str(ours) == str(theirs)
+
+
+@pytest.mark.parametrize("cls", [FSDPStrategy, ModelParallelStrategy])
+def test_the_path_is_checked_before_the_model(tmp_path, cls):
+    """An empty file is refused even for the model double of Lightning's own unit tests, whose layout cannot be read."""
+    path = tmp_path / "full.ckpt"
+    path.touch()
+    model = mock.Mock(spec=nn.Module)  # what upstream's tests pass: `modules()` is not iterable
+    model.parameters.return_value = [torch.zeros(2, 1)]
+    strategy = cls(parallelize_fn=lambda module, _: module) if cls is ModelParallelStrategy else cls()
+    with pytest.raises(CheckpointLoadError, match=r"is empty \(0 bytes\)"):
+        strategy.load_checkpoint(path, state=model)
 
 
 def test_what_upstream_cannot_read_is_not_a_path_error(tmp_path):

@@ -8,7 +8,9 @@ import lightning_utilities.core.rank_zero as rank_zero_module
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.loading.errors import CheckpointLoadError
@@ -33,6 +35,20 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model(tokens))
+
+
+class LitTiny(LightningModule):
+    """A LightningModule around the tiny transformer, as the Trainer saves it: its weights under ``state_dict``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyTransformer()
+
+    def training_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens).float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.1)
 
 
 @pytest.fixture
@@ -241,6 +257,30 @@ def test_load_raw_takes_the_one_module_entry(tmp_path, state_dict):
     ("content", "pattern"),
     [
         (
+            {"model_state_dict": "STATE", "optimizer_state_dict": {"state": {}, "param_groups": []}, "epoch": 1},
+            r"no entry 'model' for the model.*weights are under 'model_state_dict'\. Load them with"
+            r" `fabric.load\(path, \{'model_state_dict': model\}\)`\.$",
+        ),
+        (
+            {"module": "STATE", "ema": "STATE"},
+            r"2 of them hold a module state \('module', 'ema'\)\. Name the one to load as the key of the model:"
+            r" `fabric.load\(path, \{'module': model\}\)` or `fabric.load\(path, \{'ema': model\}\)`\.$",
+        ),
+        ({"optimizer": {"state": {}, "param_groups": []}, "step": 1}, r"none of them holds a module state"),
+    ],
+)
+def test_fabric_load_without_the_model_entry_names_the_calls_that_work(tmp_path, state_dict, content, pattern):
+    content = {key: state_dict if value == "STATE" else value for key, value in content.items()}
+    torch.save(content, tmp_path / "other.ckpt")
+    with pytest.raises(CheckpointLoadError, match=pattern) as error:
+        open_checkpoint(detect_checkpoint(tmp_path / "other.ckpt"), "model", weights_only=True)
+    assert "{'model': model}" not in str(error.value)  # never the call that just failed
+
+
+@pytest.mark.parametrize(
+    ("content", "pattern"),
+    [
+        (
             {"model": "MODEL", "state_dict": "STATE"},
             r"2 of them hold a module state \('model', 'state_dict'\).*`fabric.load\(path, \{'model': model\}\)` or"
             r" `fabric.load\(path, \{'state_dict': model\}\)`",
@@ -311,6 +351,25 @@ def _whole_checkpoints(paths: dict[str, str]) -> bool:
     # A Lightning Trainer checkpoint: its "state_dict".
     model = _model(fabric, seed=2)
     fabric.load_raw(paths["trainer"], model)
+    assert_same_state(gather_full_state(model)["model"], expected)
+    return True
+
+
+def _trainer_checkpoint(path: str) -> bool:
+    expected = torch.load(path, weights_only=True)["state_dict"]
+    fabric = _fabric()
+    model = _model(fabric, seed=2, cls=LitTiny)
+    before = gather_full_state(model)["model"]
+    # The call a Fabric user writes first is refused on every rank, naming the two calls that load this file.
+    calls = r"`fabric.load_raw\(path, model\)` or `fabric.load\(path, \{'state_dict': model\}\)`\.$"
+    with pytest.raises(CheckpointLoadError, match=rf"(?s)no entry 'model' for the model.*under 'state_dict'.*{calls}"):
+        fabric.load(path, {"model": model})
+    assert_same_state(gather_full_state(model)["model"], before)
+    # Both load it bit-exact.
+    fabric.load_raw(path, model)
+    assert_same_state(gather_full_state(model)["model"], expected)
+    model = _model(fabric, seed=2, cls=LitTiny)
+    fabric.load(path, {"state_dict": model})
     assert_same_state(gather_full_state(model)["model"], expected)
     return True
 
@@ -430,6 +489,24 @@ def user_files(tmp_path, state_dict) -> dict[str, str]:
 
 def test_load_raw_of_whole_checkpoints(user_files):
     assert run_distributed(_whole_checkpoints, user_files, devices=2) == [True, True]
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # lightning.pytorch 2.6 on torch 2.13
+def test_a_lightning_trainer_checkpoint_through_fabric_load(tmp_path):
+    torch.manual_seed(0)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(LitTiny(), DataLoader(torch.randint(0, 37, (4, 8)), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "trained.ckpt")
+    assert run_distributed(_trainer_checkpoint, str(tmp_path / "trained.ckpt"), devices=2) == [True, True]
 
 
 def test_names_that_differ(user_files):

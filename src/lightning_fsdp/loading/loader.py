@@ -202,9 +202,9 @@ def _load_file(
             if key not in request.metadata_keys and key not in request.optimizers
         }
         # Whatever the caller keeps must outlive the source, which is closed (and, in a turn, freed) right after.
-        return LoadResult(
-            materialize(requested), materialize(remainder), prepared.plan.skipped_summary(), prepared.written
-        )
+        # One copy of both keeps an object that they share shared, as `torch.load` returns it.
+        requested, remainder = materialize((requested, remainder))
+        return LoadResult(requested, remainder, prepared.plan.skipped_summary(), prepared.written)
     finally:
         opened.close()
 

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, printable
 from lightning_fsdp.loading.files import require_regular_file
 from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
@@ -493,7 +493,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         allowed = _allowed_globals().get((module, name))
         if allowed is None:
-            raise _RefusedGlobal(f"{module}.{name}")
+            raise _RefusedGlobal(printable(f"{module}.{name}"))
         return allowed
 
 
@@ -762,7 +762,7 @@ def _unpickling_reason(error: BaseException) -> str:
     if _WEIGHTS_ONLY_REASON not in text:
         return first_line(error)
     reason = " ".join(text.split(_WEIGHTS_ONLY_REASON, 1)[1].split())
-    return reason.split(". ", 1)[0].split(" Check the documentation", 1)[0].rstrip(".")
+    return printable(reason.split(". ", 1)[0].split(" Check the documentation", 1)[0].rstrip("."))
 
 
 def _shape(shape: tuple[int, ...]) -> str:
