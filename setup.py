@@ -47,6 +47,8 @@ setup(
             "click>=8.1",
             # 5.1 is the first release whose models, created on the meta device, tie their weights as on CPU.
             "transformers>=5.1,<6",
+            # The peft-wrapped model of the guide's example and tests (base model and adapter loaded on top).
+            "peft>=0.21,<1",
         ],
         "docs": ["sphinx>=7.2", "myst-parser>=2.0"],
     },

@@ -21,7 +21,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.agreement import new_namespace
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError
 from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
 from lightning_fsdp.loading.turns import validate_concurrency
@@ -101,7 +101,14 @@ def load_into_state(
     options = LoadOptions(
         strategy.load_concurrency, progress=None if strategy.load_progress else False, namespace=namespace
     )
-    result: LoadResult = load(path, request, rank_info(strategy), options)
+    try:
+        result: LoadResult = load(path, request, rank_info(strategy), options)
+    except CheckpointLoadError as error:
+        if error.cause is None and not error.failed_ranks:
+            raise  # raised where it happened (a single process): its frames say where
+        # A report of a failure (this rank's keeps its own traceback, as `error.cause`): the frames of the machinery
+        # that raised the report on every rank would only push the cause and the fix apart on the user's screen.
+        raise error.with_traceback(None) from error.__cause__
     if result.skipped:
         rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {result.skipped}.")
     if isinstance(state, Module):
@@ -134,42 +141,36 @@ def load_options(strategy: LoadingStrategy, rename: Rename | None) -> Iterator[N
         strategy._load_rename = previous
 
 
-class _InvalidCheckpointPathError(CheckpointLoadError, ValueError):
-    """A path that upstream refuses with a ``ValueError`` and that this package cannot read either.
-
-    It is both, so that code written against upstream (``except ValueError``, ``pytest.raises(ValueError, match=...)``)
-    and code written against this package (``except CheckpointLoadError``) keep working.
-
-    """
-
-
-def raise_if_upstream_refuses_path(path: Path, error: Exception, raw: bool, shards: str) -> None:
-    """Raise upstream's ``ValueError`` for a path it refuses, if this package cannot read that path either.
+def refused_path(path: Path, error: Exception, raw: bool, strategy: str, shards: str) -> CheckpointPathError | None:
+    """The :class:`CheckpointPathError` (a ``ValueError``, as upstream's) to raise instead of ``error``, or ``None``.
 
     Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
     directory with a distributed checkpoint's ``.metadata``. This package reads more (Hugging Face directories, a
-    sharded checkpoint for ``load_raw``), so it only answers as upstream does where the path holds nothing it reads
+    sharded checkpoint for ``load_raw``), so it only answers with upstream's type where the path holds nothing it reads
     either: the format detection fails here too. The load already ran on every rank, so deciding here after the fact
-    keeps the ranks together. ``shards`` names the sharded format in upstream's message.
+    keeps the ranks together. The message says first what is wrong, as the load found it; for a path that exists,
+    the text of upstream's ``strategy`` follows (``shards`` names the sharded format in it), for code that matches it.
 
     """
     if path.is_file() or (not raw and _is_sharded_checkpoint(path)):
-        return
+        return None
     try:
         detect_checkpoint(path)
     except CheckpointLoadError as detection_error:
-        reason = str(error) if isinstance(error, CheckpointLoadError) else str(detection_error)
-        failed_ranks = error.failed_ranks if isinstance(error, CheckpointLoadError) else ()
+        reported = error if isinstance(error, CheckpointLoadError) else detection_error
     else:
-        return
-    if raw:
-        upstream_message = (
-            "Failed to load checkpoint directly into the model. The given path must be a single file containing the"
-            f" full state dict: {path}"
-        )
-    else:
-        upstream_message = (
-            f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
-            f" directory with {shards}, or a single file with a full checkpoint."
-        )
-    raise _InvalidCheckpointPathError(f"{upstream_message}\n{reason}", failed_ranks) from error
+        return None
+    message = str(reported)
+    if path.exists():
+        if raw:
+            upstream_message = (
+                "Failed to load checkpoint directly into the model. The given path must be a single file containing"
+                f" the full state dict: {path}"
+            )
+        else:
+            upstream_message = (
+                f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
+                f" directory with {shards}, or a single file with a full checkpoint."
+            )
+        message += f"\n(Lightning's own `{strategy}` refuses it too: {upstream_message})"
+    return CheckpointPathError(message, reported.failed_ranks, cause=reported)

@@ -38,6 +38,7 @@ from lightning_fsdp.devices import (
     _check_placement,
     _init_context_on_own_device,
 )
+from lightning_fsdp.loading.errors import unexpected_cause
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.materialize import (
     InitRecord,
@@ -52,7 +53,7 @@ from lightning_fsdp.loading_calls import (
     load_into_state,
     load_options,
     load_request,
-    raise_if_upstream_refuses_path,
+    refused_path,
 )
 
 if TYPE_CHECKING:
@@ -198,7 +199,8 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         and ``weights_only``.
 
         The arguments are checked in upstream's order, with its exception types and messages; a path that holds
-        nothing this method reads raises upstream's ``ValueError``, which is also a ``CheckpointLoadError``. A
+        nothing this method reads raises a :class:`~lightning_fsdp.CheckpointPathError`, both a ``ValueError``
+        (upstream's type) and a ``CheckpointLoadError``. A
         remote path (an fsspec URL such as ``s3://...``) is left to upstream's method.
 
         """
@@ -221,8 +223,16 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         try:
             return load_into_state(self, path, state, request, namespace)
         except Exception as error:
-            raise_if_upstream_refuses_path(path, error, raw=module_key is None, shards="distributed checkpoint shards")
-            raise
+            refused = refused_path(
+                path,
+                error,
+                raw=module_key is None,
+                strategy=type(self).__name__,
+                shards="distributed checkpoint shards",
+            )
+            if refused is None:
+                raise
+            raise refused from unexpected_cause(refused.cause)
 
     def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""

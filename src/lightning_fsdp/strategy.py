@@ -43,6 +43,7 @@ from lightning_fsdp.devices import (
     _check_placement,
     _init_context_on_own_device,
 )
+from lightning_fsdp.loading.errors import unexpected_cause
 from lightning_fsdp.loading.materialize import (
     InitRecord,
     MetaMaterializer,
@@ -57,7 +58,7 @@ from lightning_fsdp.loading_calls import (
     load_into_state,
     load_options,
     load_request,
-    raise_if_upstream_refuses_path,
+    refused_path,
 )
 
 if TYPE_CHECKING:
@@ -272,8 +273,8 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
         The arguments are checked as upstream checks them, with upstream's exception types and messages. A path that
         upstream refuses too (neither a file nor a directory of checkpoint shards) and that holds nothing this method
-        reads raises an error that is both a ``ValueError`` (upstream's) and a ``CheckpointLoadError``. A remote path
-        (an fsspec URL such as ``s3://...``) is left to upstream's method.
+        reads raises a :class:`~lightning_fsdp.CheckpointPathError`, both a ``ValueError`` (upstream's type) and a
+        ``CheckpointLoadError``. A remote path (an fsspec URL such as ``s3://...``) is left to upstream's method.
 
         Args:
             path: A checkpoint file or directory.
@@ -296,8 +297,12 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         try:
             return load_into_state(self, path, state, request, namespace)
         except Exception as error:
-            raise_if_upstream_refuses_path(path, error, raw=request.module_key is None, shards="FSDP checkpoint shards")
-            raise
+            refused = refused_path(
+                path, error, raw=request.module_key is None, strategy="FSDPStrategy", shards="FSDP checkpoint shards"
+            )
+            if refused is None:
+                raise
+            raise refused from unexpected_cause(refused.cause)
 
     def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block: ``fabric.load`` and ``fabric.load_raw`` take none.

@@ -18,7 +18,7 @@ from lightning.fabric.strategies import ModelParallelStrategy as UpstreamModelPa
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from lightning_fsdp import CheckpointLoadError, FSDPStrategy, ModelParallelStrategy
+from lightning_fsdp import CheckpointLoadError, CheckpointPathError, FSDPStrategy, ModelParallelStrategy
 from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import TinyTransformer
@@ -93,16 +93,24 @@ _PATH_CASES = {
 
 @pytest.mark.parametrize("case", list(_PATH_CASES))
 def test_path_errors_are_upstreams_and_ours(tmp_path, case):
-    """Upstream's `ValueError` for a path that is not a checkpoint, which is also a `CheckpointLoadError`."""
+    """Upstream's `ValueError` for a path that is not a checkpoint, which is also a `CheckpointLoadError`.
+
+    The message starts with what is wrong, as this package found it. Upstream's text follows for a path that exists
+    (upstream's tests `match` on it); for a path that does not exist, it would only mislead ("must be a single file").
+
+    """
     make_state, name, our_reason = _PATH_CASES[case]
     (tmp_path / "empty").mkdir()
     (tmp_path / "other").mkdir()
     torch.save({}, tmp_path / "other" / "notes.pt")  # a file, but no `.metadata`, index or `model.safetensors`
     path = tmp_path / name
-    error = _assert_raises_as_upstream("load_checkpoint", True, {}, path=path, state=make_state())
+    theirs = _error_of(lambda: _strategy(UpstreamFSDPStrategy, True).load_checkpoint(path=path, state=make_state()))
+    error = _error_of(lambda: _strategy(FSDPStrategy, True).load_checkpoint(path=path, state=make_state()))
+    assert isinstance(error, type(theirs))
     assert isinstance(error, ValueError)
-    assert isinstance(error, CheckpointLoadError)
-    assert our_reason in str(error)
+    assert isinstance(error, CheckpointPathError)
+    assert our_reason in str(error).splitlines()[0]
+    assert (str(theirs) in str(error)) == path.exists()
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["load", "load_raw"])
@@ -120,9 +128,10 @@ def test_model_parallel_path_errors_are_upstreams_and_ours(tmp_path, raw):
             errors.append(_error_of(load))
     theirs, ours = errors
     assert isinstance(ours, type(theirs)), f"upstream raised {theirs!r}, this package {ours!r}"
-    assert str(ours).startswith(str(theirs)), f"upstream: {theirs}\nthis package: {ours}"
-    assert isinstance(ours, CheckpointLoadError)
-    assert "holds no checkpoint" in str(ours)
+    assert isinstance(ours, CheckpointPathError)
+    # What is wrong comes first; upstream's text follows, for code that matches it (the directory exists).
+    assert "holds no checkpoint" in str(ours).splitlines()[0]
+    assert str(theirs) in str(ours), f"upstream: {theirs}\nthis package: {ours}"
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["load", "load_raw"])
@@ -321,5 +330,5 @@ def test_path_error_is_the_same_on_every_rank(tmp_path):
     for is_value_error, is_load_error, message in run_distributed(_load_missing_path, path, devices=2):
         assert is_value_error
         assert is_load_error
-        assert message.startswith(f"The path {path!r} does not point to a valid checkpoint.")
-        assert "does not exist" in message
+        assert message.startswith(f"Loading {path!r} failed on ranks 0-1: The checkpoint path {path!r} does not exist")
+        assert "does not point to a valid checkpoint" not in message

@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, unexpected_cause
 
 #: Where the agreements' keys live in the store.
 _KEY_ROOT = "lightning_fsdp/agreement"
@@ -113,9 +113,9 @@ class Agreement:
     Every rank enters it (it is a context manager) and makes the same calls to :meth:`agree`; leaving the block
     agrees once more. If any rank failed, every rank raises the same
     :class:`~lightning_fsdp.loading.errors.CheckpointLoadError`, naming the rank(s) that failed and their errors (on a
-    failing rank, chained to the original exception). A rank that is killed outright is named too (``rank 3 stopped
-    responding (killed? out of memory?)``), about half a minute after it died. With a single process, or without an
-    initialized process group, nothing waits and an exception propagates unchanged.
+    failing rank, with the original exception as its ``cause``). A rank that is killed outright is named too
+    (``rank 3 stopped responding (killed? out of memory?)``), about half a minute after it died. With a single
+    process, or without an initialized process group, nothing waits and an exception propagates unchanged.
 
     Do not run a collective between a failure-prone step and the next :meth:`agree`: a rank that failed would not
     join it, and the others would wait in it under the process-group timeout.
@@ -229,7 +229,7 @@ class Agreement:
 
         Raises:
             CheckpointLoadError: If any rank failed or stopped responding, naming the rank(s) and their errors; on a
-                failing rank it is chained to ``error``. With a single process, ``error`` itself is raised.
+                failing rank, ``error`` is its ``cause``. With a single process, ``error`` itself is raised.
 
         """
         if self._store is None:
@@ -255,7 +255,9 @@ class Agreement:
         # After a failure, the ranks may be at different agreements (or waiting elsewhere): they all meet here.
         failures = self._meet_after_failure(failures, phase)
         self._agreed_failure = _agreed_error(self._description, failures)
-        raise self._agreed_failure from (error if own_failure else None)
+        if own_failure:
+            self._agreed_failure.cause = error
+        raise self._agreed_failure from unexpected_cause(self._agreed_failure.cause)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank: an agreement (see :meth:`agree`) that also counts the ranks that set it.

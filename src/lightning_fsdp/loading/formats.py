@@ -103,7 +103,8 @@ def detect_checkpoint(path: str | Path) -> DetectedCheckpoint:
     path = Path(path)
     if not path.exists():
         raise CheckpointLoadError(
-            f"The checkpoint path {str(path)!r} does not exist. Check the path (it must be reachable from every node)."
+            f"The checkpoint path {str(path)!r} does not exist (no such file or directory). Pass the path of a"
+            " checkpoint file or directory that every node can reach."
         )
     if path.is_dir():
         return _detect_directory(path)

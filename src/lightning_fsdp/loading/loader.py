@@ -18,7 +18,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.conversions import with_declared_conversions
+from lightning_fsdp.loading.errors import CheckpointLoadError, unexpected_cause
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.materialize import init_record
@@ -34,7 +35,7 @@ from lightning_fsdp.loading.shard_local import (
     join,
 )
 from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint, read_checked_metadata
-from lightning_fsdp.loading.sources import materialize
+from lightning_fsdp.loading.sources import TensorSource, materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
 from lightning_fsdp.loading.validation import NamePlan, Rename, TargetSpec, _names, check_whole_module, plan_load
@@ -98,6 +99,8 @@ class LoadResult:
 @dataclass
 class _Prepared:
     plan: NamePlan
+    source: TensorSource
+    """The checkpoint's tensors, with the model's declared conversions applied (see :mod:`.conversions`)."""
     optimizer_states: dict[str, dict]
     fallback_optimizers: set[str]
     written: frozenset[str] = frozenset()
@@ -156,13 +159,14 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
 
 @contextmanager
 def _one_error_type() -> Iterator[None]:
-    """Every failure of a load is a :class:`CheckpointLoadError` with a short message; the cause stays chained."""
+    """Every failure of a load is a :class:`CheckpointLoadError` with a short message; the error is its ``cause``."""
     try:
         yield
     except CheckpointLoadError:
         raise
     except Exception as error:
-        raise CheckpointLoadError(f"{type(error).__name__}: {first_line(error)}") from error
+        message = f"{type(error).__name__}: {first_line(error)}"
+        raise CheckpointLoadError(message, cause=error) from unexpected_cause(error)
 
 
 def _load_file(
@@ -179,7 +183,7 @@ def _load_file(
         if stagger is not None:
             stagger.agree_on_success()
         try:
-            _apply(request, opened, collected, prepared, ranks.world_size, bar)
+            _apply(request, collected, prepared, ranks.world_size, bar)
             opened.check_unchanged()
         except Exception as error:
             what = (
@@ -187,11 +191,13 @@ def _load_file(
                 if request.optimizers
                 else "The model on the failing rank is"
             )
-            raise CheckpointLoadError(
+            failure = CheckpointLoadError(
                 f"Writing the checkpoint into the model failed after it was validated: {error} {what} now partially"
                 " loaded, and the other ranks may have loaded fully, so the ranks differ: load the checkpoint again"
-                " before using the model."
-            ) from error
+                " before using the model.",
+                cause=error,
+            )
+            raise failure from unexpected_cause(error)
         requested = {key: opened.entries[key] for key in request.metadata_keys if key in opened.entries}
         remainder = {
             key: value
@@ -247,9 +253,8 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
     _check_requested_keys(request, opened)
     check_whole_module(request.module)
     targets = collected.specs() if collected is not None else _unsharded_specs(request.module)
-    plan = plan_load(
-        targets, opened.source.specs(), strict=request.strict, rename=request.rename, ties=_ties(request.module)
-    )
+    source = with_declared_conversions(request.module, opened.source, targets)
+    plan = plan_load(targets, source.specs(), strict=request.strict, rename=request.rename, ties=_ties(request.module))
     optimizer_states: dict[str, dict] = {}
     fallback: set[str] = set()
     for key, optimizer in request.optimizers.items():
@@ -265,21 +270,20 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
         optimizer_states[key] = materialize(saved)
         fallback.add(key)
     written = frozenset(name for target in targets if target.names[0] in plan.sources for name in target.names)
-    return _Prepared(plan, optimizer_states, fallback, written)
+    return _Prepared(plan, source, optimizer_states, fallback, written)
 
 
 def _apply(
     request: LoadRequest,
-    opened: OpenedCheckpoint,
     collected: ModuleTargets | None,
     prepared: _Prepared,
     world_size: int,
     bar: LoadProgress,
 ) -> None:
     if collected is not None:
-        copy_into_module(collected, prepared.plan, opened.source, on_tensor=bar.update)
+        copy_into_module(collected, prepared.plan, prepared.source, on_tensor=bar.update)
     else:
-        state_dict = {target: opened.source.read(name) for target, name in prepared.plan.sources.items()}
+        state_dict = {target: prepared.source.read(name) for target, name in prepared.plan.sources.items()}
         _load_with_fsdp_state_dict(request.module, state_dict, world_size)
     for key, state in prepared.optimizer_states.items():
         optimizer = request.optimizers[key]

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.errors import CheckpointLoadError, printable
+from lightning_fsdp.loading.errors import CheckpointLoadError, printable, unexpected_cause
 from lightning_fsdp.loading.files import require_regular_file
 from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
@@ -749,11 +749,11 @@ def _dcp_call(what: str, call: Callable[[], _T]) -> _T:
             )
         else:
             detail = first_line(causes[0]) if causes else "no details"
-        raise CheckpointLoadError(
-            f"{what} failed on rank(s) {', '.join(map(str, ranks))}: {detail}", failed_ranks=ranks
-        ) from error
+        cause = own if own is not None else error
+        message = f"{what} failed on rank(s) {', '.join(map(str, ranks))}: {detail}"
+        raise CheckpointLoadError(message, ranks, cause) from unexpected_cause(cause)
     except Exception as error:
-        raise CheckpointLoadError(f"{what} failed: {first_line(error)}") from error
+        raise CheckpointLoadError(f"{what} failed: {first_line(error)}", cause=error) from unexpected_cause(error)
 
 
 def _unpickling_reason(error: BaseException) -> str:

@@ -116,8 +116,27 @@ def test_a_failure_is_raised_on_every_rank_naming_the_rank(make_store):
     assert all(isinstance(error, CheckpointLoadError) for error in errors)
     assert {str(error) for error in errors} == {"Reading 'x.ckpt' failed on rank 1: ValueError: no such file"}
     assert {error.failed_ranks for error in errors} == {(1,)}
-    # The failing rank keeps its own exception as the cause; the others report it without one.
+    # The failing rank keeps its own exception as the cause; the others report it without one. An unexpected one (not
+    # a `CheckpointLoadError`) is chained too, for its traceback to be printed.
+    assert [type(error.cause) for error in errors] == [type(None), ValueError, type(None)]
     assert [type(error.__cause__) for error in errors] == [type(None), ValueError, type(None)]
+
+
+def test_a_failing_ranks_own_checkpoint_load_error_is_kept_but_not_chained(make_store):
+    """Its text is in the agreed error's message: a traceback that printed it again would show the user two errors."""
+
+    def rank_fn(rank: int, store: dist.Store) -> None:
+        with Agreement("Reading 'x.ckpt'", store=store, rank=rank, world_size=2, namespace="test"):
+            if rank == 1:
+                raise CheckpointLoadError("The file 'x.ckpt' is empty.")
+
+    (_, on_rank_0), (_, on_rank_1) = _in_threads(2, rank_fn, make_store)
+    assert str(on_rank_1) == "Reading 'x.ckpt' failed on rank 1: The file 'x.ckpt' is empty."
+    assert str(on_rank_1.cause) == "The file 'x.ckpt' is empty."
+    assert on_rank_1.cause.__traceback__ is not None
+    assert on_rank_1.__cause__ is None
+    assert on_rank_0.cause is None
+    assert "".join(traceback.format_exception(on_rank_1)).count("is empty") == 1
 
 
 def test_failures_of_several_ranks_are_listed_by_rank(make_store):
