@@ -247,7 +247,7 @@ STEPS: tuple[Step, ...] = (
         " against a model before anything is written.",
         effect="None yet (unused until the next step). The readers' tests write every format with `torch.save`,"
         " `safetensors` and the legacy serialisation and read them back, and refuse truncated and malformed files.",
-        size="About 2,200 source lines: one reader per format, each proven against the file's structure. They are"
+        size="About 2,300 source lines: one reader per format, each proven against the file's structure. They are"
         " private and unused until the next step; a reviewer may ask to split them by format (zip, legacy,"
         " safetensors), which the manifest supports (it assigns single definitions).",
     ),
@@ -286,7 +286,7 @@ STEPS: tuple[Step, ...] = (
         " indexes. `weights_only=None` means `True` for every file the method reads; `meta.pt` of a sharded"
         ' checkpoint is read with `map_location="cpu"`. An empty or truncated file raises `CheckpointLoadError`'
         " (a `ValueError` where upstream raised one). New arguments `load_concurrency` and `load_progress`.",
-        size="About 4,000 source lines, because `load_checkpoint` is one method and the loader it calls (`load`)"
+        size="About 4,700 source lines, because `load_checkpoint` is one method and the loader it calls (`load`)"
         " reaches every part of it: the FSDP1 and FSDP2 layouts, the optimizer's slices, the sharded branch, node"
         " turns and the agreement between ranks. A finer split needs `load` itself cut into versions, which the"
         " manifest does not do (it assigns whole definitions).",
