@@ -65,15 +65,15 @@ def test_the_manifest_refuses_what_is_lost_carried_twice_or_absent(items):
 
 
 def test_a_step_that_uses_what_a_later_step_brings_is_refused(items):
-    """`setup_module` (step 4) needs `_fsdp_kwargs_added`: moved to the last step, step 4 could not run."""
+    """`setup_module` (step 5) needs `_fsdp_kwargs_added`: moved to the last step, step 5 could not run."""
     moved = (*STEPS[:-1], replace(STEPS[-1], carries=(*STEPS[-1].carries, f"{_STRATEGY}::_fsdp_kwargs_added")))
     assignment = assign(items, moved)
     assert assignment.problems == []
-    restrict = restriction(assignment, 4)
+    restrict = restriction(assignment, 5)
     text = dict(items)[_STRATEGY]
     kept = restrict(_STRATEGY, text)
     assert "def _fsdp_kwargs_added" not in kept
-    assert restrict.problems == [f"step 4: {_STRATEGY} uses `_fsdp_kwargs_added`, which step 5 brings"]
+    assert restrict.problems == [f"step 5: {_STRATEGY} uses `_fsdp_kwargs_added`, which step 6 brings"]
     # With the manifest as it is, step 2 keeps only the device methods, and the imports they use.
     early = restriction(assign(items), 2)
     kept = early(_STRATEGY, text)
@@ -102,8 +102,9 @@ def test_series_commits_each_step_and_ends_at_the_one_shot_change(tmp_path):
     out = StringIO()
     with redirect_stdout(out):
         assert main([str(tree), "--series", "--descriptions", str(descriptions)]) == 0
-    subjects = _git(tree, "log", "--reverse", "--format=%s", "HEAD~5..HEAD").splitlines()
-    assert subjects == [f"({number}/5) {step.title}" for number, step in enumerate(STEPS, 1)]
+    total = len(STEPS)
+    subjects = _git(tree, "log", "--reverse", "--format=%s", f"HEAD~{total}..HEAD").splitlines()
+    assert subjects == [f"({number}/{total}) {step.title}" for number, step in enumerate(STEPS, 1)]
     assert _git(tree, "status", "--porcelain") == ""
     one_shot = plan(installed_lightning_tree(tmp_path / "fresh"))
     for change in one_shot.changes:
@@ -114,11 +115,11 @@ def test_series_commits_each_step_and_ends_at_the_one_shot_change(tmp_path):
         text = path.read_text()
         for heading in ("## Motivation", "## What changes", "## Measured effect", "## Tests", "## Behaviour changes"):
             assert heading in text, path
-    messages = _git(tree, "log", "--format=%B", "HEAD~5..HEAD")
+    messages = _git(tree, "log", "--format=%B", f"HEAD~{total}..HEAD")
     assert "lightning_fsdp" not in messages.lower()
     assert "lightning-fsdp" not in messages.lower()
     # The first step only removes the connector's check; the step's own files change, nothing else.
-    first = _git(tree, "show", "--name-only", "--format=", "HEAD~4").split()
+    first = _git(tree, "show", "--name-only", "--format=", f"HEAD~{total - 1}").split()
     assert first == ["src/lightning/fabric/CHANGELOG.md", "src/lightning/fabric/connector.py"]
 
 
