@@ -7,7 +7,7 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level 
 ``model_parallel.py`` imports from already.
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -18,7 +18,9 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.loading.files import CheckpointPath
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
+from lightning_fsdp.loading.remote import is_remote, remote_path
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
 
@@ -29,6 +31,7 @@ class LoadingStrategy(Protocol):
     load_concurrency: int | Literal["auto"]
     load_progress: bool
     _load_rename: Rename | None
+    _load_storage_options: Mapping[str, Any] | None
 
     @property
     def world_size(self) -> int: ...
@@ -48,6 +51,19 @@ def init_loading_options(strategy: LoadingStrategy, concurrency: Any, progress: 
     strategy.load_concurrency = validate_concurrency(concurrency)
     strategy.load_progress = progress
     strategy._load_rename = None
+    strategy._load_storage_options = None
+
+
+def checkpoint_path(strategy: LoadingStrategy, path: Any) -> CheckpointPath:
+    """The broadcast ``path`` as the loader reads it: a local ``Path``, or a URL in object storage (``s3://...``).
+
+    A URL is kept as a string (``Path`` would collapse its ``//``) and opened through fsspec with the
+    ``storage_options`` of :func:`load_options`.
+
+    """
+    if is_remote(path):
+        return remote_path(str(path), strategy._load_storage_options)
+    return Path(path)
 
 
 def load_request(
@@ -62,7 +78,9 @@ def load_request(
     return LoadRequest(state[module_key], module_key, optimizers, metadata_keys, strict, weights_only, rename=rename)
 
 
-def load_into_state(strategy: LoadingStrategy, path: Path, state: Module | dict[str, Any], request: LoadRequest) -> Any:
+def load_into_state(
+    strategy: LoadingStrategy, path: CheckpointPath, state: Module | dict[str, Any], request: LoadRequest
+) -> Any:
     """Run the load, warn about what ``strict=False`` skipped, move the metadata into ``state``; return the rest."""
     options = LoadOptions(strategy.load_concurrency, progress=None if strategy.load_progress else False)
     result: LoadResult = load(path, request, rank_info(strategy), options)
@@ -88,11 +106,18 @@ def rank_info(strategy: LoadingStrategy) -> RankInfo:
 
 
 @contextmanager
-def load_options(strategy: LoadingStrategy, rename: Rename | None) -> Iterator[None]:
+def load_options(
+    strategy: LoadingStrategy, rename: Rename | None, storage_options: Mapping[str, Any] | None = None
+) -> Iterator[None]:
     """Set the options of the loads inside the block on ``strategy``, and restore the previous ones after it."""
     check_rename(rename)
-    previous, strategy._load_rename = strategy._load_rename, rename
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(
+            f"`load_options(storage_options=...)` takes a dict of fsspec options, got {type(storage_options).__name__}."
+        )
+    previous = strategy._load_rename, strategy._load_storage_options
+    strategy._load_rename, strategy._load_storage_options = rename, storage_options
     try:
         yield
     finally:
-        strategy._load_rename = previous
+        strategy._load_rename, strategy._load_storage_options = previous

@@ -20,7 +20,6 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -46,8 +45,15 @@ from lightning_fsdp.loading.materialize import (
     has_meta_tensors,
     shared_tensor_names,
 )
+from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.validation import Rename
-from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
+from lightning_fsdp.loading_calls import (
+    checkpoint_path,
+    init_loading_options,
+    load_into_state,
+    load_options,
+    load_request,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -198,12 +204,12 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
                 " a model instance to reload is required. Pass it in like so:"
                 f" {type(self).__name__}.load_checkpoint(..., state={{'model': model, ...}})"
             )
-        path = Path(self.broadcast(path))
+        path = checkpoint_path(self, self.broadcast(path))
         if isinstance(state, Optimizer):
             raise NotImplementedError(
                 f"Loading a single optimizer object from a checkpoint is not supported yet with {type(self).__name__}."
             )
-        if _is_sharded_checkpoint(path):
+        if not isinstance(path, RemotePath) and _is_sharded_checkpoint(path):
             if isinstance(state, Module):  # upstream refuses a directory here, with its message
                 _load_raw_module_state_from_path(path, module=state, world_size=self.world_size, strict=strict)
             return _load_checkpoint(path=path, state=state, strict=strict, weights_only=weights_only)
@@ -211,9 +217,11 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
         return load_into_state(self, path, state, request)
 
-    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
+    def load_options(
+        self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
+    ) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
-        return load_options(self, rename)
+        return load_options(self, rename, storage_options)
 
 
 @contextmanager

@@ -43,6 +43,7 @@ from lightning_fsdp.devices import (
     _init_context_on_own_device,
 )
 from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.files import CheckpointPath
 from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.materialize import (
     InitRecord,
@@ -52,8 +53,15 @@ from lightning_fsdp.loading.materialize import (
     shared_tensor_names,
 )
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
+from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.validation import Rename
-from lightning_fsdp.loading_calls import init_loading_options, load_into_state, load_options, load_request
+from lightning_fsdp.loading_calls import (
+    checkpoint_path,
+    init_loading_options,
+    load_into_state,
+    load_options,
+    load_request,
+)
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
@@ -278,14 +286,16 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         state, module_key = _checked_state(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
         # broadcast the path from rank 0 to ensure all the states are loaded from a common path
-        path = Path(self.broadcast(path))
+        path = checkpoint_path(self, self.broadcast(path))
         try:
             return load_into_state(self, path, state, request)
         except Exception as error:
             _raise_if_upstream_refuses_path(path, error, raw=request.module_key is None)
             raise
 
-    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
+    def load_options(
+        self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
+    ) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block: ``fabric.load`` and ``fabric.load_raw`` take none.
 
         Example::
@@ -301,11 +311,15 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 (``None``), a single prefix that makes every model tensor match is removed or added automatically,
                 and rank 0 says so. Checkpoint files only: a sharded checkpoint is refused with a rename.
 
+            storage_options: Options of the fsspec file system that reads a checkpoint URL (``s3://...``), such as
+                ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for ``s3fs``. By default fsspec's usual
+                configuration applies (environment variables, the provider's config files).
+
         Raises:
-            TypeError: If ``rename`` is neither a mapping of prefixes nor a callable.
+            TypeError: If ``rename`` is neither a mapping of prefixes nor a callable, or ``storage_options`` not a dict.
 
         """
-        return load_options(self, rename)
+        return load_options(self, rename, storage_options)
 
     def _set_up_on_cpu(self) -> bool:
         # Upstream reads `root_device` only once the devices are set; a strategy built without them is never on CPU.
@@ -389,7 +403,7 @@ def _checked_state(
     return state, _fsdp_module_key(state)
 
 
-def _raise_if_upstream_refuses_path(path: Path, error: Exception, raw: bool) -> None:
+def _raise_if_upstream_refuses_path(path: CheckpointPath, error: Exception, raw: bool) -> None:
     """Raise upstream's ``ValueError`` for a path it refuses, if this package cannot read that path either.
 
     Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
@@ -399,7 +413,7 @@ def _raise_if_upstream_refuses_path(path: Path, error: Exception, raw: bool) -> 
     keeps the ranks together.
 
     """
-    if path.is_file() or (not raw and _upstream._is_sharded_checkpoint(path)):
+    if isinstance(path, RemotePath) or path.is_file() or (not raw and _upstream._is_sharded_checkpoint(path)):
         return
     try:
         detect_checkpoint(path)

@@ -10,14 +10,13 @@ Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.files import read_exactly, require_regular_file
+from lightning_fsdp.loading.files import close_file, open_file, read_exactly, require_regular_file
 from lightning_fsdp.loading.sources import TensorLocation, TensorSpec
 
 #: The safetensors library refuses larger headers; so does this reader.
@@ -52,7 +51,7 @@ def read_safetensors_locations(path: Path) -> dict[str, TensorLocation]:
 
     """
     file_size = require_regular_file(path).st_size
-    file = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    file = open_file(path)
     try:
         if file_size < _HEADER_SIZE_BYTES:
             raise _invalid(path, "it is shorter than the 8-byte header size")
@@ -64,7 +63,7 @@ def read_safetensors_locations(path: Path) -> dict[str, TensorLocation]:
         header_bytes = bytearray(header_size)
         read_exactly(file, _HEADER_SIZE_BYTES, memoryview(header_bytes), path, "the header")
     finally:
-        os.close(file)
+        close_file(file)
     try:
         header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
