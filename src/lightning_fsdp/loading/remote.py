@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
@@ -31,7 +31,7 @@ from lightning_fsdp.loading.errors import CheckpointLoadError
 #: The size of the chunks a large range is fetched in, concurrently: large enough that a request's latency is small
 #: against its transfer, small enough that a rank's chunks spread over the pool.
 CHUNK_BYTES = 8 * 2**20
-#: Reads below this size are served from aligned blocks of it, kept in a small cache per file.
+#: Reads up to this size (and the buffer of a stream) are served from aligned blocks of it, a few cached per object.
 BLOCK_BYTES = 64 * 2**10
 #: Concurrent requests of one rank.
 MAX_CONCURRENT_REQUESTS = 8
@@ -42,6 +42,8 @@ _MAX_BACKOFF_S = 3.0
 _CACHED_BLOCKS = 16
 #: Environment variables whose values must never appear in a message.
 _SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_KEY")
+#: Option names (parts of them) whose values are credentials, masked in every message.
+_SECRET_OPTION_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
 
 _T = TypeVar("_T")
 _fetched = [0]
@@ -86,15 +88,23 @@ class RemotePath:
 
     """
 
-    def __init__(self, fs: Any, fs_path: str, protocol: str, secrets: tuple[str, ...], pins: dict | None = None):
+    def __init__(
+        self, fs: Any, fs_path: str, protocol: str, secrets: tuple[str, ...], shared: "_Shared | None" = None
+    ) -> None:
         self.fs = fs
         self.fs_path = fs_path.rstrip("/")
         self.protocol = protocol
         self._secrets = secrets
-        self._pins: dict[str, RemoteStat] = {} if pins is None else pins
+        self._shared = _Shared() if shared is None else shared
+        self._pins = self._shared.pins
 
     def _derived(self, fs_path: str) -> "RemotePath":
-        return RemotePath(self.fs, fs_path, self.protocol, self._secrets, self._pins)
+        return RemotePath(self.fs, fs_path, self.protocol, self._secrets, self._shared)
+
+    @property
+    def blocks(self) -> "OrderedDict[int, bytes]":
+        """The blocks of this object read so far (small reads are served from them), shared by its open files."""
+        return self._shared.blocks.setdefault(self.fs_path, OrderedDict())
 
     def __str__(self) -> str:
         return f"{self.protocol}://{self.fs_path}"
@@ -237,7 +247,15 @@ def remote_path(url: str, storage_options: Mapping[str, Any] | None = None) -> R
         ) from None
     except ValueError as error:
         raise CheckpointLoadError(f"fsspec cannot open the URL {url!r}: {_first_line(error)}") from None
-    return RemotePath(fs, fs_path, protocol, tuple(_strings(storage_options or {})))
+    return RemotePath(fs, fs_path, protocol, tuple(_secrets(storage_options or {})))
+
+
+@dataclass
+class _Shared:
+    """What the paths made from one URL share: the pinned size and ETag of each object, and its cached blocks."""
+
+    pins: dict[str, RemoteStat] = field(default_factory=dict)
+    blocks: dict[str, "OrderedDict[int, bytes]"] = field(default_factory=dict)
 
 
 class RemoteFile:
@@ -250,11 +268,14 @@ class RemoteFile:
     def __init__(self, path: RemotePath, what: str = "checkpoint file") -> None:
         self.path = path
         self.size = path.stat(what).st_size
-        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._blocks = path.blocks
         self._lock = threading.Lock()
 
-    def read_into(self, offset: int, buffer: memoryview, what: str) -> None:
+    def read_into(self, offset: int, buffer: memoryview, what: str, cached: bool = True) -> None:
         """Fill ``buffer`` with the object's bytes from ``offset`` on (concurrent chunks for a large buffer).
+
+        A small read is served from a cached block unless ``cached`` is ``False`` (a tensor's slice: exactly its
+        bytes are fetched, so a rank fetches no more than its own slices and the structures that locate them).
 
         Raises:
             CheckpointLoadError: If the range runs past the object's end (it is truncated), the object changed, or a
@@ -270,7 +291,7 @@ class RemoteFile:
             )
         if total == 0:
             return
-        if total < BLOCK_BYTES:
+        if cached and total <= BLOCK_BYTES:
             self._read_small(offset, buffer)
             return
         chunks = [(start, min(start + CHUNK_BYTES, total)) for start in range(0, total, CHUNK_BYTES)]
@@ -324,8 +345,7 @@ class RemoteFile:
         self.path.check_unchanged()
 
     def close(self) -> None:
-        with self._lock:
-            self._blocks.clear()
+        pass  # nothing is held open: the blocks stay for the other files of the same object until the path goes
 
 
 class _RemoteStream(io.RawIOBase):
@@ -399,12 +419,13 @@ def _stat_of(info: Mapping[str, Any]) -> RemoteStat:
     return RemoteStat(size, (size, tag, version, str(modified)))
 
 
-def _strings(options: Mapping[str, Any]) -> Iterator[str]:
-    for value in options.values():
-        if isinstance(value, str):
+def _secrets(options: Mapping[str, Any]) -> Iterator[str]:
+    """The values of ``storage_options`` that are credentials (``key``, ``secret``, ``token``, ``password``, ...)."""
+    for name, value in options.items():
+        if isinstance(value, str) and any(word in str(name).lower() for word in _SECRET_OPTION_WORDS):
             yield value
         elif isinstance(value, Mapping):
-            yield from _strings(value)
+            yield from _secrets(value)
 
 
 def _first_line(error: BaseException) -> str:

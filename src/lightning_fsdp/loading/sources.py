@@ -202,6 +202,9 @@ class ByteRangeSource(TensorSource):
         """Fill ``destination`` with the elements of ``name``'s storage from element ``first`` on."""
         file, _ = self._open(location.file)
         offset = location.storage_offset + first * location.spec.dtype.itemsize
+        if isinstance(file, RemoteFile):  # exactly the slice's bytes, not the blocks that hold them
+            file.read_into(offset, destination, f"the tensor {name!r}", cached=False)
+            return
         read_exactly(file, offset, destination, location.file, f"the tensor {name!r}")
 
     def check_unchanged(self) -> None:

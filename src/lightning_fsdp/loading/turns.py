@@ -302,20 +302,25 @@ class _StoreNodeChannel:
     def add_totals(self, total_bytes: int, total_tensors: int) -> None:
         # Every key exists once this rank's ``add`` ran, so ``exchange`` reads them all in one request.
         amounts = {"bytes": 0, "tensors": 0, "total_bytes": total_bytes, "total_tensors": total_tensors, "ranks": 1}
+        amounts["fetched"] = 0
         with suppress(RuntimeError):  # progress is best effort; the schedule reports a lost store
             for key, amount in amounts.items():
                 self._store.add(key, amount)
 
-    def exchange(self, bytes_done: int, tensors_done: int, read: bool) -> NodeSnapshot | None:
+    def exchange(self, bytes_done: int, tensors_done: int, read: bool, fetched: int = 0) -> NodeSnapshot | None:
         try:
+            if fetched:
+                self._store.add("fetched", fetched)
             if bytes_done:
                 self._store.add("bytes", bytes_done)
             if tensors_done:
                 self._store.add("tensors", tensors_done)
             if not read:
                 return None
-            keys = ["bytes", "tensors", "total_bytes", "total_tensors", "ranks"]
-            done_bytes, done_tensors, total_bytes, total_tensors, ranks = map(int, self._store.multi_get(keys))
+            keys = ["bytes", "tensors", "total_bytes", "total_tensors", "ranks", "fetched"]
+            done_bytes, done_tensors, total_bytes, total_tensors, ranks, node_fetched = map(
+                int, self._store.multi_get(keys)
+            )
             turn = None
             if self._turn_store is not None:
                 started = int(self._turn_store.add("started", 0))
@@ -324,7 +329,7 @@ class _StoreNodeChannel:
             return None
         if ranks < self._local_world_size:  # the node's totals are known once every rank has added its own
             total_bytes = total_tensors = 0
-        return NodeSnapshot(done_bytes, done_tensors, total_bytes, total_tensors, turn)
+        return NodeSnapshot(done_bytes, done_tensors, total_bytes, total_tensors, turn, node_fetched)
 
 
 def _turn_of(local_rank: int, local_world_size: int, concurrency: int) -> Turn:
