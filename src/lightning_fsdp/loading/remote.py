@@ -372,6 +372,8 @@ class _RemoteStream(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         count = max(0, min(len(view), self._file.size - self._position))
+        if count == 0:  # at or past the end, as a file reads
+            return 0
         self._file.read_into(self._position, view[:count], "the data read")
         self._position += count
         return count
