@@ -50,6 +50,8 @@ setup(
             # A real S3 API on loopback (moto's server) and its client, for the tests of remote checkpoints.
             "moto[server]>=5.0,<6",
             "s3fs>=2024.2",
+            # The peft-wrapped model of the guide's example and tests (base model and adapter loaded on top).
+            "peft>=0.21,<1",
         ],
         # Checkpoints in object storage: fsspec comes with lightning; s3fs reads `s3://` (gcsfs `gs://`, adlfs `az://`).
         "remote": ["fsspec>=2024.2", "s3fs>=2024.2"],

@@ -2,7 +2,8 @@
 
 One run writes the checkpoints of a synthetic transformer once (raw module state dict as a torch zip file and as a
 legacy pickle, safetensors, and a full Fabric checkpoint with Adam state), then, for each format and implementation,
-launches fresh CPU ranks (gloo) that create the model on the meta device, shard it with FSDP and load the file.
+launches fresh CPU ranks (gloo), or with ``--device cuda`` one GPU per rank (NCCL), that create the model on the meta
+device, shard it with FSDP and load the file.
 A sampler in this process reads the memory of every rank process while they run; the ranks report when setup ended
 and when the load started and ended (the load time is measured inside the ranks: barrier, clock, load, barrier,
 clock). After the load every rank checks its shard against checksums of the source, so a fast but wrong load cannot

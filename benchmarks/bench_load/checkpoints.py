@@ -85,7 +85,7 @@ def _checksum(tensor: torch.Tensor) -> tuple[float, float, float]:
 
     """
     flat = tensor.detach().reshape(-1).double()
-    weights = torch.arange(flat.numel(), dtype=torch.float64).remainder_(_CHECKSUM_PERIOD).add_(1)
+    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(_CHECKSUM_PERIOD).add_(1)
     weighted = flat * weights
     return flat.sum().item(), weighted.sum().item(), weighted.abs_().sum().item()
 

@@ -95,6 +95,27 @@ def _upstream_unavailable(fmt: str) -> str | None:
     return None
 
 
+def _cuda_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--device cuda`` cannot run here, or ``None``."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU build, without CUDA"
+        return (
+            f"--device cuda: no GPU exists here (torch {torch.__version__} is {build}, and it sees no CUDA device)."
+            " Run it on a machine with a GPU (`make test-gpu` installs a CUDA build of torch there), or leave out"
+            " --device cuda to measure CPU ranks."
+        )
+    if args.capacity:
+        return "--device cuda: the capacity mode caps host memory and runs on CPU ranks only; leave out --device cuda"
+    if args.nodes > 1:
+        return "--device cuda: simulated nodes would put two ranks on one GPU; use --nodes 1"
+    if args.ranks > count:
+        return f"--device cuda: --ranks {args.ranks} needs {args.ranks} GPUs, one per rank, and {count} are visible"
+    return None
+
+
 def _capacity_cases(args: argparse.Namespace) -> list[Case]:
     """The full checkpoint with Adam state, for each strategy family and implementation, with its default ``k``."""
     import lightning
@@ -112,7 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--size", type=_size, default="small", help=f"{', '.join(PRESETS)} or WIDTHxDEPTH (default: small)"
     )
-    parser.add_argument("--ranks", type=int, default=4, help="total CPU ranks (default: 4)")
+    parser.add_argument("--ranks", type=int, default=4, help="total ranks (default: 4)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the ranks run: CPU ranks with gloo (default), or one GPU per rank with NCCL (cuda)",
+    )
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="simulated nodes on localhost")
     parser.add_argument(
         "--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)} (default: all)"
@@ -188,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown implementations {sorted(unknown)}")
     if args.ranks % args.nodes:
         parser.error("--ranks must be a multiple of --nodes")
+    if args.device == "cuda" and (problem := _cuda_problem(args)):
+        parser.error(problem)
     width, depth, size_label = args.size
     if args.settle is None:
         args.settle = 0.3 if width * depth < 4096 else 1.0

@@ -49,6 +49,7 @@ def _machine(workdir: Path) -> dict[str, str]:
         "lightning": lightning.__version__,
         "lightning_fsdp": lightning_fsdp.__version__ + (f" ({commit})" if commit else ""),
         "storage": _file_system(workdir),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.device_count() else "none",
     }
 
 
@@ -94,11 +95,14 @@ def render(
     label: str,
 ) -> str:
     cfg = meta["config"]
+    on_gpu = getattr(args, "device", "cpu") == "cuda"
     lines = [
-        f"### Loading a {_gb(meta['model_bytes'])} model into FSDP on {args.ranks} CPU ranks ({label})",
+        f"### Loading a {_gb(meta['model_bytes'])} model into FSDP on {args.ranks} {'GPU' if on_gpu else 'CPU'} ranks"
+        f" ({label})",
         "",
         f"- Machine: {machine['cpu']}, {machine['cores']} cores, {machine['ram']} RAM, {machine['os']};"
-        f" Python {machine['python']}, torch {machine['torch']}, lightning {machine['lightning']},"
+        + (f" GPU: {machine['gpu']}, one per rank;" if on_gpu else "")
+        + f" Python {machine['python']}, torch {machine['torch']}, lightning {machine['lightning']},"
         f" lightning-fsdp {machine['lightning_fsdp']}.",
         f"- Model: {cfg['depth']} blocks of two {cfg['width']}x{4 * cfg['width']} linears and a LayerNorm, fp32,"
         f" {meta['num_parameters'] / 1e6:.1f}M parameters, created with `empty_init=True`. FSDP1:"
@@ -107,7 +111,7 @@ def render(
         " each block, then the root.",
         f"- Ranks: {args.ranks} processes on {args.nodes} node(s)"
         + (" (simulated on one machine)" if args.nodes > 1 else "")
-        + f", gloo; page cache: {_cache_summary(results)}.",
+        + f", {'NCCL' if on_gpu else 'gloo'}; page cache: {_cache_summary(results)}.",
         "- Memory: total of all ranks, PSS. Base: after `setup`, before the load. Peak: during the load."
         " Anonymous above base, less Adam: the growth of anonymous memory during the load, less the Adam state"
         " (`exp_avg` and `exp_avg_sq` of every local parameter shard, and `step`) that any load of the optimizer"
@@ -167,6 +171,8 @@ def render(
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *ratio_rows,
         ]
+    if on_gpu:
+        lines += _gpu_rows(results)
     if args.nodes > 1:
         lines += [
             "",
@@ -247,8 +253,13 @@ def render(
         )
         + " Both also count what a load touches for the first time besides the checkpoint (Python modules it"
         " imports; in storage read, library pages that the drop evicted). Per rank in the JSON output.",
-        "- FSDP1: upstream runs through a subclass that only passes the CPU device to FSDP; its `load_checkpoint` is"
-        " untouched. Upstream loads a raw zip file with `fabric.load_raw` (memory-mapped) and a full checkpoint with"
+        (
+            "- FSDP1: upstream runs as it is (its own `FSDPStrategy`, on the GPU). Upstream loads"
+            if on_gpu
+            else "- FSDP1: upstream runs through a subclass that only passes the CPU device to FSDP; its"
+            " `load_checkpoint` is untouched. Upstream loads"
+        )
+        + " a raw zip file with `fabric.load_raw` (memory-mapped) and a full checkpoint with"
         " `fabric.load`. It cannot read a legacy-format file with `load_raw` (`torch.load(mmap=True)` refuses it):"
         " that row is every rank calling `torch.load` and then upstream's own `load_raw` code on the state dict."
         " Upstream has no safetensors support and no Hugging Face index support. FSDP2: upstream's"
@@ -264,6 +275,49 @@ def render(
         " local Adam shards against its own local parameter shards.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _gpu_rows(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
+    """The GPU memory of every load (``--device cuda``), per GPU, and lightning-fsdp's ratios to upstream."""
+    rows, ratios = [], []
+    by_key = _measured(results)
+    for case, r in results:
+        if case.key not in by_key or "gpu_peak" not in r:
+            continue
+        rows.append(
+            f"| {case.strategy_title} | {case.title} | {case.label} | {_gb(r['gpu_base'])} | {_gb(r['gpu_peak'])}"
+            f" | {_signed(r['gpu_above_base'])} | {_gb(r['gpu_after'])} |"
+        )
+        u = by_key.get(_upstream_key(case))
+        if case.implementation == "ours" and u is not None and "gpu_peak" in u:
+            ratios.append(
+                f"| {case.strategy_title} | {case.title} | {case.label}"
+                f" | {_ratio(r['load_seconds'], u['load_seconds'])} | {_ratio(r['gpu_peak'], u['gpu_peak'])}"
+                f" | {_ratio(r['gpu_above_base'], u['gpu_above_base'])}"
+                f" | {_ratio(r['peak_pss'], u['peak_pss'])} |"
+            )
+    if not rows:
+        return []
+    lines = [
+        "",
+        "GPU memory, per GPU (each rank has its own; the largest of the ranks): allocated by torch's caching allocator"
+        " before the load (base), its peak during the load (`torch.cuda.max_memory_allocated`, reset before the"
+        " load), and what stays allocated after it. NCCL's own buffers and the CUDA context are not counted.",
+        "",
+        "| strategy | checkpoint | implementation | GPU base | GPU peak | GPU above base | GPU after load |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
+    if ratios:
+        lines += [
+            "",
+            "GPU ratios, lightning-fsdp / upstream (below 1 is better; host memory: peak PSS of all ranks):",
+            "",
+            "| strategy | checkpoint | implementation | load time | GPU peak | GPU above base | host peak PSS |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            *ratios,
+        ]
+    return lines
 
 
 def _cache_summary(results: list[tuple[Case, dict[str, Any]]]) -> str:

@@ -128,6 +128,7 @@ def run_case(
         "weights_only": case.weights_only,
         "remote_url": meta.get("remote", {}).get(case.format) if case.implementation == "s3" else None,
         "storage_options": meta.get("storage_options"),
+        "device": getattr(args, "device", "cpu"),
     }
     cfg_path = run_dir / "config.json"
     cfg_path.write_text(json.dumps(cfg))
@@ -306,8 +307,25 @@ def _measure(
         out["peak_file_exact_readings"] = exact_peak_file
 
     out.update(_reads(ranks, node_of))
+    out.update(_gpu_memory(ranks))
     out.update(_correctness(ranks, meta, case))
     return out
+
+
+def _gpu_memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """GPU memory of the load (``--device cuda``), from each rank's allocator: the largest of the GPUs, in bytes.
+
+    Each rank has a GPU of its own, so the figures are per GPU: base before the load, peak during it
+    (``torch.cuda.max_memory_allocated``, reset before the load), and what stays allocated after it.
+    """
+    if not all("gpu_peak" in r for r in ranks):
+        return {}
+    return {
+        "gpu_base": max(r["gpu_base"] for r in ranks),
+        "gpu_peak": max(r["gpu_peak"] for r in ranks),
+        "gpu_above_base": max(r["gpu_peak"] - r["gpu_base"] for r in ranks),
+        "gpu_after": max(r["gpu_after"] for r in ranks),
+    }
 
 
 def _reads(ranks: list[dict[str, Any]], node_of: list[int]) -> dict[str, Any]:

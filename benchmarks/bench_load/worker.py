@@ -71,6 +71,10 @@ def _make_strategy(cfg: dict[str, Any]) -> Any:
             **kwargs,
         )
     if cfg["implementation"] == "upstream":
+        if cfg.get("device") == "cuda":  # upstream's class as it is: on a GPU it needs no change
+            from lightning.fabric.strategies import FSDPStrategy as UpstreamFSDPStrategy
+
+            return UpstreamFSDPStrategy(auto_wrap_policy={Block})
         return _upstream_strategy_class()(auto_wrap_policy={Block})
     from lightning_fsdp import FSDPStrategy
 
@@ -232,7 +236,7 @@ def run_worker(cfg_path: str) -> int:
         from lightning.fabric import Fabric
 
         fabric = Fabric(
-            accelerator="cpu",
+            accelerator=cfg.get("device", "cpu"),
             devices=cfg["ranks_per_node"],
             num_nodes=cfg["nodes"],
             strategy=_make_strategy(cfg),
@@ -256,11 +260,21 @@ def run_worker(cfg_path: str) -> int:
         result["phase"] = "load"
         fabric.barrier()
         result["peak_rss_reset"] = _reset_peak_rss()
+        gpu = fabric.device if fabric.device.type == "cuda" else None
+        if gpu is not None:
+            torch.cuda.synchronize(gpu)
+            torch.cuda.reset_peak_memory_stats(gpu)
+            result["gpu_base"] = torch.cuda.memory_allocated(gpu)
         io_before = _read_io()
         result["t_load_start"] = start = time.monotonic()
         _load(cfg, fabric, model, optimizer)
+        if gpu is not None:
+            torch.cuda.synchronize(gpu)  # the copies to the GPU are part of the load
         fabric.barrier()
         result["t_load_end"] = end = time.monotonic()
+        if gpu is not None:
+            result["gpu_peak"] = torch.cuda.max_memory_allocated(gpu)
+            result["gpu_after"] = torch.cuda.memory_allocated(gpu)
         io_after = _read_io()
         if io_before and io_after:
             result["io"] = {key: io_after[key] - io_before[key] for key in io_before}

@@ -6,13 +6,14 @@ _check_supported_versions()
 
 from lightning_fsdp.__about__ import __version__  # noqa: E402
 from lightning_fsdp.loading.convert import convert_checkpoint  # noqa: E402
-from lightning_fsdp.loading.errors import CheckpointLoadError  # noqa: E402
+from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError  # noqa: E402
 from lightning_fsdp.model_parallel import ModelParallelStrategy  # noqa: E402
 from lightning_fsdp.opt_in import disable, enable, is_enabled  # noqa: E402
 from lightning_fsdp.strategy import FSDPStrategy  # noqa: E402
 
 __all__ = [
     "CheckpointLoadError",
+    "CheckpointPathError",
     "FSDPStrategy",
     "ModelParallelStrategy",
     "__version__",

@@ -68,7 +68,7 @@ def _error_message(error: BaseException) -> str:
     distributed checkpoint reader, whose text embeds each rank's traceback, are reduced to each rank's error.
 
     """
-    from lightning_fsdp.loading.errors import CheckpointLoadError
+    from lightning_fsdp.loading.errors import CheckpointLoadError, printable
 
     try:
         from torch.distributed.checkpoint.api import CheckpointException
@@ -83,7 +83,7 @@ def _error_message(error: BaseException) -> str:
     text = str(error).strip()
     if not isinstance(error, (CheckpointLoadError, OSError)):
         text = f"{type(error).__name__}: {text}" if text else type(error).__name__
-    first, *rest = text.splitlines() or [type(error).__name__]
+    first, *rest = [printable(line) for line in text.split("\n")] or [type(error).__name__]
     return "\n".join([first, *(f"    {line}" for line in rest if line.strip())])
 
 
@@ -137,14 +137,16 @@ def _add_weights_only(parser: argparse.ArgumentParser) -> None:
 
 def _inspect(args: argparse.Namespace) -> int:
     from lightning_fsdp.loading.convert import describe_checkpoint
+    from lightning_fsdp.loading.errors import printable
 
     summary = describe_checkpoint(args.path, weights_only=not args.unsafe_unpickle)
     if args.json:
         print(json.dumps(summary.as_dict(), indent=2))
         return 0
     dtypes = ", ".join(f"{dtype} ({count})" for dtype, count in summary.dtypes.items()) or "none"
+    # Names come from the file: shown escaped, so that a name cannot write to the terminal.
     keys = summary.top_level_keys
-    shown_keys = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+    shown_keys = ", ".join(map(printable, keys[:8])) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
     lines = [
         ("path", summary.path),
         ("format", f"{summary.format} ({summary.kind})"),
@@ -152,7 +154,7 @@ def _inspect(args: argparse.Namespace) -> int:
         ("files", f"{summary.files} ({_size(summary.file_bytes)})"),
         ("tensors", f"{summary.tensors} ({_size(summary.tensor_bytes)})"),
         ("dtypes", dtypes),
-        ("largest", f"{summary.largest_tensor} ({_size(summary.largest_tensor_bytes)})"),
+        ("largest", f"{printable(str(summary.largest_tensor))} ({_size(summary.largest_tensor_bytes)})"),
         ("keys", shown_keys or "none"),
     ]
     for label, value in lines:
@@ -164,6 +166,7 @@ def _convert(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from lightning_fsdp.loading.convert import convert_checkpoint, describe_checkpoint
+    from lightning_fsdp.loading.errors import printable
 
     summary = describe_checkpoint(args.path, weights_only=not args.unsafe_unpickle)
     show = not args.no_progress and sys.stderr.isatty()
@@ -183,10 +186,11 @@ def _convert(args: argparse.Namespace) -> int:
         f" under {args.key!r}; load it with fabric.load({result.output!r}, {{{args.key!r}: model}})"
     )
     if result.metadata_keys:
-        print(f"kept metadata: {', '.join(result.metadata_keys)}")
+        print(f"kept metadata: {', '.join(map(printable, result.metadata_keys))}")
     if result.skipped_keys:
         print(
-            f"not converted (tensors other than the module's, e.g. optimizer state): {', '.join(result.skipped_keys)}"
+            "not converted (tensors other than the module's, e.g. optimizer state):"
+            f" {', '.join(map(printable, result.skipped_keys))}"
         )
     return 0
 

@@ -10,17 +10,22 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
+from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.loading.agreement import new_namespace
+from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError
 from lightning_fsdp.loading.files import CheckpointPath
+from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
-from lightning_fsdp.loading.remote import is_remote, remote_path
+from lightning_fsdp.loading.remote import RemotePath, is_remote, remote_path
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
 
@@ -44,6 +49,15 @@ class LoadingStrategy(Protocol):
 
     @property
     def num_processes(self) -> int: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+
+class _LoadStart(NamedTuple):
+    """What rank 0 sends every rank when a load starts."""
+
+    path: _PATH
+    namespace: str
 
 
 def init_loading_options(strategy: LoadingStrategy, concurrency: Any, progress: bool) -> None:
@@ -78,12 +92,43 @@ def load_request(
     return LoadRequest(state[module_key], module_key, optimizers, metadata_keys, strict, weights_only, rename=rename)
 
 
+def broadcast_load_path(strategy: LoadingStrategy, path: _PATH) -> tuple[CheckpointPath, str]:
+    """Rank 0's ``path``, and a namespace new to this load for its agreements: the path broadcast carries both.
+
+    Every rank runs this collective before the load, so every rank meets the others under the same namespace, whatever
+    it did or failed to do in an earlier load (see :class:`~lightning_fsdp.loading.agreement.Agreement`).
+
+    """
+    start = strategy.broadcast(_LoadStart(path, new_namespace()))
+    if not isinstance(start, _LoadStart):
+        # A broadcast patched to answer with the path alone (as a test of upstream's behaviour does): one process.
+        return checkpoint_path(strategy, start), new_namespace()
+    return checkpoint_path(strategy, start.path), start.namespace
+
+
 def load_into_state(
-    strategy: LoadingStrategy, path: CheckpointPath, state: Module | dict[str, Any], request: LoadRequest
+    strategy: LoadingStrategy,
+    path: CheckpointPath,
+    state: Module | dict[str, Any],
+    request: LoadRequest,
+    namespace: str,
 ) -> Any:
-    """Run the load, warn about what ``strict=False`` skipped, move the metadata into ``state``; return the rest."""
-    options = LoadOptions(strategy.load_concurrency, progress=None if strategy.load_progress else False)
-    result: LoadResult = load(path, request, rank_info(strategy), options)
+    """Run the load, warn about what ``strict=False`` skipped, move the metadata into ``state``; return the rest.
+
+    ``namespace`` comes from :func:`broadcast_load_path`.
+
+    """
+    options = LoadOptions(
+        strategy.load_concurrency, progress=None if strategy.load_progress else False, namespace=namespace
+    )
+    try:
+        result: LoadResult = load(path, request, rank_info(strategy), options)
+    except CheckpointLoadError as error:
+        if error.cause is None and not error.failed_ranks:
+            raise  # raised where it happened (a single process): its frames say where
+        # A report of a failure (this rank's keeps its own traceback, as `error.cause`): the frames of the machinery
+        # that raised the report on every rank would only push the cause and the fix apart on the user's screen.
+        raise error.with_traceback(None) from error.__cause__
     if result.skipped:
         rank_zero_warn(f"Loaded {str(path)!r} with `strict=False`: {result.skipped}.")
     if isinstance(state, Module):
@@ -121,3 +166,40 @@ def load_options(
         yield
     finally:
         strategy._load_rename, strategy._load_storage_options = previous
+
+
+def refused_path(
+    path: CheckpointPath, error: Exception, raw: bool, strategy: str, shards: str
+) -> CheckpointPathError | None:
+    """The :class:`CheckpointPathError` (a ``ValueError``, as upstream's) to raise instead of ``error``, or ``None``.
+
+    Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
+    directory with a distributed checkpoint's ``.metadata``. This package reads more (Hugging Face directories, a
+    sharded checkpoint for ``load_raw``), so it only answers with upstream's type where the path holds nothing it reads
+    either: the format detection fails here too. The load already ran on every rank, so deciding here after the fact
+    keeps the ranks together. The message says first what is wrong, as the load found it; for a path that exists,
+    the text of upstream's ``strategy`` follows (``shards`` names the sharded format in it), for code that matches it.
+
+    """
+    if path.is_file() or (not raw and not isinstance(path, RemotePath) and _is_sharded_checkpoint(path)):
+        return None
+    try:
+        detect_checkpoint(path)
+    except CheckpointLoadError as detection_error:
+        reported = error if isinstance(error, CheckpointLoadError) else detection_error
+    else:
+        return None
+    message = str(reported)
+    if path.exists():
+        if raw:
+            upstream_message = (
+                "Failed to load checkpoint directly into the model. The given path must be a single file containing"
+                f" the full state dict: {path}"
+            )
+        else:
+            upstream_message = (
+                f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
+                f" directory with {shards}, or a single file with a full checkpoint."
+            )
+        message += f"\n(Lightning's own `{strategy}` refuses it too: {upstream_message})"
+    return CheckpointPathError(message, reported.failed_ranks, cause=reported)

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelParallelStrategy
-from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
-from lightning.fabric.strategies.model_parallel import _load_checkpoint, _load_raw_module_state_from_path
+from lightning.fabric.strategies import model_parallel as _upstream
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -37,22 +37,22 @@ from lightning_fsdp.devices import (
     _check_placement,
     _init_context_on_own_device,
 )
+from lightning_fsdp.loading.errors import unexpected_cause
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.materialize import (
     InitRecord,
     MetaMaterializer,
     attach_init_record,
-    has_meta_tensors,
     shared_tensor_names,
 )
-from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import (
-    checkpoint_path,
+    broadcast_load_path,
     init_loading_options,
     load_into_state,
     load_options,
     load_request,
+    refused_path,
 )
 
 if TYPE_CHECKING:
@@ -160,13 +160,11 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         than the rank's own; a ``DTensor`` is checked by its local shard. CPU and meta tensors are allowed.
 
         """
-        strategy = type(self).__name__
-        _check_placement(module, self.root_device, where="before `parallelize_fn`", strategy=strategy)
-        record = InitRecord(ties=shared_tensor_names(module))
+        record = InitRecord()
         with _materializing_after_parallelize(self, record):
             module = super().setup_module(module)
         attach_init_record(module, record)
-        _check_placement(module, self.root_device, where="after `parallelize_fn`", strategy=strategy)
+        _check_placement(module, self.root_device, where="after `parallelize_fn`", strategy=type(self).__name__)
         return module
 
     @override
@@ -190,12 +188,19 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
     ) -> dict[str, Any]:
         """Load a checkpoint into the given model, optimizers and other state; return what nobody asked for.
 
-        A sharded (distributed checkpoint) directory loads as upstream does, each rank reading its own shards. Every
-        other checkpoint (a full file that ``fabric.save`` wrote, a raw module state dict in zip or legacy format, a
-        ``.safetensors`` file, a Hugging Face sharded checkpoint) is validated on every rank, then each rank copies
-        only its own slice of every parameter and optimizer state into its local ``DTensor`` shards, reading only
-        those bytes. See :meth:`lightning_fsdp.FSDPStrategy.load_checkpoint` for the formats, ``strict`` and
-        ``weights_only``.
+        Every checkpoint (a sharded directory or a full file that ``fabric.save`` wrote, a raw module state dict in zip
+        or legacy format, a ``.safetensors`` file, a Hugging Face sharded checkpoint) is validated on every rank before
+        anything is written. A full file is loaded shard-locally: each rank copies only its own slice of every
+        parameter and optimizer state into its local ``DTensor`` shards, reading only those bytes. A sharded directory
+        is read by the same validated reader as with :class:`lightning_fsdp.FSDPStrategy` (its metadata through an
+        allow-list, every entry checked against the model first), each rank reading its own shards; ``load_raw``
+        reads its model entry. See :meth:`lightning_fsdp.FSDPStrategy.load_checkpoint` for the formats, ``strict``
+        and ``weights_only``.
+
+        The arguments are checked in upstream's order, with its exception types and messages; a path that holds
+        nothing this method reads raises a :class:`~lightning_fsdp.CheckpointPathError`, both a ``ValueError``
+        (upstream's type) and a ``CheckpointLoadError``. A remote file (an fsspec URL such as ``s3://...``) is read
+        the same way, each rank fetching only its own byte ranges; a remote sharded directory is refused.
 
         """
         if not state:
@@ -204,18 +209,26 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
                 " a model instance to reload is required. Pass it in like so:"
                 f" {type(self).__name__}.load_checkpoint(..., state={{'model': model, ...}})"
             )
-        path = checkpoint_path(self, self.broadcast(path))
+        path, namespace = broadcast_load_path(self, path)
         if isinstance(state, Optimizer):
             raise NotImplementedError(
                 f"Loading a single optimizer object from a checkpoint is not supported yet with {type(self).__name__}."
             )
-        if not isinstance(path, RemotePath) and _is_sharded_checkpoint(path):
-            if isinstance(state, Module):  # upstream refuses a directory here, with its message
-                _load_raw_module_state_from_path(path, module=state, world_size=self.world_size, strict=strict)
-            return _load_checkpoint(path=path, state=state, strict=strict, weights_only=weights_only)
         module_key = None if isinstance(state, Module) else _distributed_module_key(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
-        return load_into_state(self, path, state, request)
+        try:
+            return load_into_state(self, path, state, request, namespace)
+        except Exception as error:
+            refused = refused_path(
+                path,
+                error,
+                raw=module_key is None,
+                strategy=type(self).__name__,
+                shards="distributed checkpoint shards",
+            )
+            if refused is None:
+                raise
+            raise refused from unexpected_cause(refused.cause)
 
     def load_options(
         self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
@@ -228,15 +241,20 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
 def _materializing_after_parallelize(strategy: ModelParallelStrategy, record: InitRecord) -> Iterator[None]:
     """Materialise the model as soon as ``parallelize_fn`` returns it, inside upstream's ``setup_module``.
 
-    Upstream's ``setup_module`` then finds nothing left on the meta device to materialise its way. What nothing
-    initialised goes into ``record``.
+    Upstream's ``setup_module`` then finds nothing left on the meta device to materialise its way. The placement check
+    and the shared tensors are taken just before ``parallelize_fn``, after upstream's own checks of the module; the
+    shared tensors and what nothing initialised go into ``record``.
 
     """
     parallelize_fn = strategy._parallelize_fn
 
     def parallelize_and_materialize(module: Module, device_mesh: "DeviceMesh") -> Module:
+        name = type(strategy).__name__
+        _check_placement(module, strategy.root_device, where="before `parallelize_fn`", strategy=name)
+        record.ties = shared_tensor_names(module)
         module = parallelize_fn(module, device_mesh)
-        if isinstance(module, Module) and has_meta_tensors(module):  # anything else: upstream raises its error
+        # Anything but a module: upstream raises its error.
+        if isinstance(module, Module) and _has_meta_device_parameters_or_buffers(module):
             materializer = MetaMaterializer(module, strategy.root_device)
             materializer.materialize(module)
             record.uninitialized = materializer.uninitialized()
@@ -250,7 +268,11 @@ def _materializing_after_parallelize(strategy: ModelParallelStrategy, record: In
 
 
 def _distributed_module_key(state: dict[str, Any]) -> str:
-    keys = [key for key, obj in state.items() if isinstance(obj, Module) and has_dtensor_params(obj)]
+    keys = [
+        key
+        for key, obj in state.items()
+        if _upstream._has_dtensor_modules(obj) or (isinstance(obj, Module) and has_dtensor_params(obj))
+    ]
     if not keys:
         raise ValueError(
             "Could not find a distributed model in the provided checkpoint state. Please provide the model as"

@@ -42,25 +42,22 @@ from lightning_fsdp.devices import (
     _check_placement,
     _init_context_on_own_device,
 )
-from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.files import CheckpointPath
-from lightning_fsdp.loading.formats import detect_checkpoint
+from lightning_fsdp.loading.errors import unexpected_cause
 from lightning_fsdp.loading.materialize import (
     InitRecord,
     MetaMaterializer,
     attach_init_record,
-    has_meta_tensors,
     shared_tensor_names,
 )
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
-from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import (
-    checkpoint_path,
+    broadcast_load_path,
     init_loading_options,
     load_into_state,
     load_options,
     load_request,
+    refused_path,
 )
 
 if TYPE_CHECKING:
@@ -173,7 +170,11 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             _check_placement(module, self.root_device, where="before wrapping")
         record = InitRecord(ties=shared_tensor_names(module))
         materializer = None
-        if not wrapped and self._fsdp_kwargs.get("param_init_fn") is None and has_meta_tensors(module):
+        if (
+            not wrapped
+            and self._fsdp_kwargs.get("param_init_fn") is None
+            and _upstream._has_meta_device_parameters_or_buffers(module)
+        ):
             materializer = MetaMaterializer(module, self.root_device)
         with _fsdp_kwargs_added(self._fsdp_kwargs, param_init_fn=materializer):
             if self.root_device.type != "cpu":
@@ -271,7 +272,10 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
 
         The arguments are checked as upstream checks them, with upstream's exception types and messages. A path that
         upstream refuses too (neither a file nor a directory of checkpoint shards) and that holds nothing this method
-        reads raises an error that is both a ``ValueError`` (upstream's) and a ``CheckpointLoadError``.
+        reads raises a :class:`~lightning_fsdp.CheckpointPathError`, both a ``ValueError`` (upstream's type) and a
+        ``CheckpointLoadError``. A remote file (an fsspec URL such as ``s3://...``, with the ``storage_options`` of
+        :meth:`load_options`) is read the same way, each rank fetching only its own byte ranges; a remote sharded
+        directory is refused.
 
         Args:
             path: A checkpoint file or directory.
@@ -285,13 +289,18 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         """
         state, module_key = _checked_state(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
-        # broadcast the path from rank 0 to ensure all the states are loaded from a common path
-        path = checkpoint_path(self, self.broadcast(path))
+        # broadcast the path from rank 0 to ensure all the states are loaded from a common path (with the namespace of
+        # this load's agreements)
+        path, namespace = broadcast_load_path(self, path)
         try:
-            return load_into_state(self, path, state, request)
+            return load_into_state(self, path, state, request, namespace)
         except Exception as error:
-            _raise_if_upstream_refuses_path(path, error, raw=request.module_key is None)
-            raise
+            refused = refused_path(
+                path, error, raw=request.module_key is None, strategy="FSDPStrategy", shards="FSDP checkpoint shards"
+            )
+            if refused is None:
+                raise
+            raise refused from unexpected_cause(refused.cause)
 
     def load_options(
         self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
@@ -372,15 +381,6 @@ def _fsdp_kwargs_added(fsdp_kwargs: dict[str, Any], **added: Any) -> Iterator[No
                 fsdp_kwargs.pop(key, None)
 
 
-class _InvalidCheckpointPathError(CheckpointLoadError, ValueError):
-    """A path that upstream refuses with a ``ValueError`` and that this package cannot read either.
-
-    It is both, so that code written against upstream (``except ValueError``, ``pytest.raises(ValueError, match=...)``)
-    and code written against this package (``except CheckpointLoadError``) keep working.
-
-    """
-
-
 def _checked_state(
     state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None,
 ) -> tuple[Module | dict[str, Any], str | None]:
@@ -401,38 +401,6 @@ def _checked_state(
             " Load it together with its model: `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
         )
     return state, _fsdp_module_key(state)
-
-
-def _raise_if_upstream_refuses_path(path: CheckpointPath, error: Exception, raw: bool) -> None:
-    """Raise upstream's ``ValueError`` for a path it refuses, if this package cannot read that path either.
-
-    Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
-    directory with a distributed checkpoint's ``.metadata``. This package reads more (Hugging Face directories, a
-    sharded checkpoint for ``load_raw``), so it only answers as upstream does where the path holds nothing it reads
-    either: the format detection fails here too. The load already ran on every rank, so deciding here after the fact
-    keeps the ranks together.
-
-    """
-    if isinstance(path, RemotePath) or path.is_file() or (not raw and _upstream._is_sharded_checkpoint(path)):
-        return
-    try:
-        detect_checkpoint(path)
-    except CheckpointLoadError as detection_error:
-        reason = str(error) if isinstance(error, CheckpointLoadError) else str(detection_error)
-        failed_ranks = error.failed_ranks if isinstance(error, CheckpointLoadError) else ()
-    else:
-        return
-    if raw:
-        upstream_message = (
-            "Failed to load checkpoint directly into the model. The given path must be a single file containing the"
-            f" full state dict: {path}"
-        )
-    else:
-        upstream_message = (
-            f"The path {str(path)!r} does not point to a valid checkpoint. Make sure the path points to either a"
-            " directory with FSDP checkpoint shards, or a single file with a full checkpoint."
-        )
-    raise _InvalidCheckpointPathError(f"{upstream_message}\n{reason}", failed_ranks) from error
 
 
 def _fsdp_module_key(state: dict[str, Any]) -> str:

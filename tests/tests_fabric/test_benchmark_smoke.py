@@ -127,6 +127,18 @@ def test_benchmark_runs_as_module():
     assert "--load-concurrency" in completed.stdout
 
 
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="the refusal on a machine without a GPU")
+def test_device_cuda_without_a_gpu_says_so(tmp_path, capsys):
+    """``--device cuda`` where no GPU exists: one line that says so, before anything is written."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--device", "cuda", "--size=tiny", f"--workdir={tmp_path / 'work'}"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--device cuda: no GPU exists here" in error
+    assert "CPU build, without CUDA" in error or "sees no CUDA device" in error
+    assert not (tmp_path / "work").exists()
+
+
 def test_legacy_fabric_checkpoint_is_also_loaded_as_a_trusted_file():
     """The same file with ``weights_only=False``: read whole, in turns of k=1 and k=all ranks, upstream alongside."""
     args = argparse.Namespace(

@@ -282,3 +282,19 @@ def test_convert_peak_memory_stays_near_the_largest_tensor(tmp_path, fmt):
     print(f"{fmt}: convert's peak grew by {convert_kib / 1024:.1f} MiB, a full read's by {whole_kib / 1024:.1f} MiB")
     assert whole_kib >= 0.9 * file_kib
     assert convert_kib <= 1.5 * largest_kib
+
+
+def test_names_from_the_file_reach_the_terminal_escaped(tmp_path):
+    from tests.tests_fabric.loading.test_bounded_parsing import write_pickle_with_crafted_global
+
+    attack = "\x1b]0;PWNED\x07\x1b[2J"
+    path = tmp_path / "names.ckpt"
+    checkpoint = {"model": {f"w{attack}": torch.ones(2)}, f"step{attack}": 1, f"optimizer{attack}": [torch.ones(1)]}
+    torch.save(checkpoint, path)
+    inspected = _cli("inspect", str(path))
+    converted = _cli("convert", str(path), str(tmp_path / "out"), "--no-progress")
+    refused = _cli("inspect", str(write_pickle_with_crafted_global(tmp_path / "evil.pth")))
+    assert (inspected.returncode, converted.returncode, refused.returncode) == (0, 0, 2)
+    assert r"w\x1b]0;PWNED\x07\x1b[2J" in inspected.stdout
+    for output in (inspected.stdout, converted.stdout, refused.stderr):
+        assert not [char for char in output if not char.isprintable() and char != "\n"], output

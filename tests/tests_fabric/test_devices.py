@@ -238,6 +238,12 @@ def test_a_consistent_cpu_environment_passes(launch_env):
     _check_cluster_environment(None, None, num_nodes=2)  # nothing to check before Fabric configured the strategy
 
 
+def test_an_environment_without_integer_ranks_is_not_checked():
+    """A test double that reports only some ranks (as in Lightning's own unit tests) passes, as upstream takes it."""
+    environment = mock.Mock(world_size=mock.Mock(return_value=8), local_rank=mock.Mock(return_value=1))
+    _check_cluster_environment(environment, [torch.device("cpu")] * 4, num_nodes=2)
+
+
 def _claim_the_same_slot() -> list[str]:
     """Two processes that both report node rank 0, local rank 0, and (mocked) the same physical GPU."""
     rank = int(os.environ["NODE_RANK"])
@@ -370,7 +376,12 @@ def test_model_parallel_two_ranks_on_cpu_set_up_and_train():
 
 def _fake_module(**tensors: torch.device) -> SimpleNamespace:
     named = [(name.replace("__", "."), SimpleNamespace(device=device)) for name, device in tensors.items()]
-    return SimpleNamespace(named_parameters=lambda: named[:-1], named_buffers=lambda: named[-1:])
+    return SimpleNamespace(
+        named_parameters=lambda: named[:-1],
+        named_buffers=lambda: named[-1:],
+        parameters=lambda: [tensor for _, tensor in named[:-1]],
+        buffers=lambda: [tensor for _, tensor in named[-1:]],
+    )
 
 
 def test_placement_check_names_tensors_on_another_gpu():

@@ -5,6 +5,7 @@ Lightning changes a message or an exception type. A strategy that was never laun
 tests build one and call its methods directly, and every path must then work as a single process.
 """
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,11 @@ from unittest import mock
 import pytest
 import torch
 from lightning.fabric.strategies import FSDPStrategy as UpstreamFSDPStrategy
+from lightning.fabric.strategies import ModelParallelStrategy as UpstreamModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from lightning_fsdp import CheckpointLoadError, FSDPStrategy
+from lightning_fsdp import CheckpointLoadError, CheckpointPathError, FSDPStrategy, ModelParallelStrategy
 from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import TinyTransformer
@@ -91,16 +93,77 @@ _PATH_CASES = {
 
 @pytest.mark.parametrize("case", list(_PATH_CASES))
 def test_path_errors_are_upstreams_and_ours(tmp_path, case):
-    """Upstream's `ValueError` for a path that is not a checkpoint, which is also a `CheckpointLoadError`."""
+    """Upstream's `ValueError` for a path that is not a checkpoint, which is also a `CheckpointLoadError`.
+
+    The message starts with what is wrong, as this package found it. Upstream's text follows for a path that exists
+    (upstream's tests `match` on it); for a path that does not exist, it would only mislead ("must be a single file").
+
+    """
     make_state, name, our_reason = _PATH_CASES[case]
     (tmp_path / "empty").mkdir()
     (tmp_path / "other").mkdir()
     torch.save({}, tmp_path / "other" / "notes.pt")  # a file, but no `.metadata`, index or `model.safetensors`
     path = tmp_path / name
-    error = _assert_raises_as_upstream("load_checkpoint", True, {}, path=path, state=make_state())
+    theirs = _error_of(lambda: _strategy(UpstreamFSDPStrategy, True).load_checkpoint(path=path, state=make_state()))
+    error = _error_of(lambda: _strategy(FSDPStrategy, True).load_checkpoint(path=path, state=make_state()))
+    assert isinstance(error, type(theirs))
     assert isinstance(error, ValueError)
-    assert isinstance(error, CheckpointLoadError)
-    assert our_reason in str(error)
+    assert isinstance(error, CheckpointPathError)
+    assert our_reason in str(error).splitlines()[0]
+    assert (str(theirs) in str(error)) == path.exists()
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["load", "load_raw"])
+def test_model_parallel_path_errors_are_upstreams_and_ours(tmp_path, raw):
+    """`ModelParallelStrategy` answers a directory that holds no checkpoint as upstream does, after the model search."""
+    path = tmp_path / "empty"
+    path.mkdir()
+    errors = []
+    # Upstream's own tests patch its model search this way: a model on one process has no `DTensor` parameters.
+    with mock.patch("lightning.fabric.strategies.model_parallel._has_dtensor_modules", return_value=True):
+        for cls in (UpstreamModelParallelStrategy, ModelParallelStrategy):
+            model = nn.Linear(2, 2)
+            strategy = cls(parallelize_fn=lambda module, _: module)
+            load = functools.partial(strategy.load_checkpoint, path, state=model if raw else {"model": model})
+            errors.append(_error_of(load))
+    theirs, ours = errors
+    assert isinstance(ours, type(theirs)), f"upstream raised {theirs!r}, this package {ours!r}"
+    assert isinstance(ours, CheckpointPathError)
+    # What is wrong comes first; upstream's text follows, for code that matches it (the directory exists).
+    assert "holds no checkpoint" in str(ours).splitlines()[0]
+    assert str(theirs) in str(ours), f"upstream: {theirs}\nthis package: {ours}"
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["load", "load_raw"])
+def test_a_missing_remote_object_is_a_path_error_as_upstreams(raw):
+    """An fsspec URL is read by this package; nothing there is upstream's `ValueError`, and ours says so."""
+    path = "memory://checkpoints/model.ckpt"
+    errors = [
+        _error_of(
+            functools.partial(
+                _strategy(cls, launched_devices=True).load_checkpoint,
+                path,
+                state=nn.Linear(2, 2) if raw else {"model": _fsdp_model()},
+            )
+        )
+        for cls in (UpstreamFSDPStrategy, FSDPStrategy)
+    ]
+    theirs, ours = errors
+    assert isinstance(ours, type(theirs)), f"upstream raised {theirs!r}, this package {ours!r}"
+    assert isinstance(ours, CheckpointPathError)
+    assert "'memory:///checkpoints/model.ckpt' does not exist" in str(ours).splitlines()[0]
+
+
+@pytest.mark.parametrize("cls", [FSDPStrategy, ModelParallelStrategy])
+def test_the_path_is_checked_before_the_model(tmp_path, cls):
+    """An empty file is refused even for the model double of Lightning's own unit tests, whose layout cannot be read."""
+    path = tmp_path / "full.ckpt"
+    path.touch()
+    model = mock.Mock(spec=nn.Module)  # what upstream's tests pass: `modules()` is not iterable
+    model.parameters.return_value = [torch.zeros(2, 1)]
+    strategy = cls(parallelize_fn=lambda module, _: module) if cls is ModelParallelStrategy else cls()
+    with pytest.raises(CheckpointLoadError, match=r"is empty \(0 bytes\)"):
+        strategy.load_checkpoint(path, state=model)
 
 
 def test_what_upstream_cannot_read_is_not_a_path_error(tmp_path):
@@ -268,5 +331,5 @@ def test_path_error_is_the_same_on_every_rank(tmp_path):
     for is_value_error, is_load_error, message in run_distributed(_load_missing_path, path, devices=2):
         assert is_value_error
         assert is_load_error
-        assert message.startswith(f"The path {path!r} does not point to a valid checkpoint.")
-        assert "does not exist" in message
+        assert message.startswith(f"Loading {path!r} failed on ranks 0-1: The checkpoint path {path!r} does not exist")
+        assert "does not point to a valid checkpoint" not in message

@@ -5,7 +5,8 @@ must equal the checkpoint bit for bit, training must resume with the losses of t
 must not fall back to upstream's broadcasting path. The model has a parameter of 5 rows (3 and 2 over two ranks) and
 one of a single row (an empty shard on rank 1). FSDP x tensor parallel on a 2 x 2 mesh shards the tensor-parallel rows
 strided (``_StridedShard``): each rank holds a piece of every tensor-parallel shard, uneven for the 5 rows of
-``narrow`` (2 + 1 and 1 + 1 rows).
+``narrow`` (2 + 1 and 1 + 1 rows). Sharded directories (``save_distributed_checkpoint=True``), with FSDP and with FSDP x
+tensor parallel, load through the validated sharded reader, bit for bit, with ``fabric.load`` and ``fabric.load_raw``.
 """
 
 from pathlib import Path
@@ -17,11 +18,10 @@ from torch import nn
 
 from lightning_fsdp import CheckpointLoadError, ModelParallelStrategy
 from lightning_fsdp.loading import loader
-from lightning_fsdp.loading.sources import materialize
 from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, make_batch
-from tests.tests_fabric.helpers.state import assert_same_state
+from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
 
 
 class _Model(nn.Module):
@@ -77,6 +77,8 @@ def _parallelize(layout: str):
 
 
 def _fabric(devices: int, layout: str = "fsdp") -> Fabric:
+    sharded = layout.startswith("sharded")  # "sharded", "sharded_<layout>": saved as a distributed checkpoint
+    layout = layout.removeprefix("sharded_")
     data_parallel_size = {"tensor_parallel": 1, "hsdp": devices // 2, "fsdp_tensor_parallel": devices // 2}.get(
         layout, devices
     )
@@ -84,7 +86,7 @@ def _fabric(devices: int, layout: str = "fsdp") -> Fabric:
         _parallelize(layout),
         data_parallel_size=data_parallel_size,
         tensor_parallel_size=devices // data_parallel_size,
-        save_distributed_checkpoint=False,
+        save_distributed_checkpoint=sharded,
     )
     fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy)
     fabric.launch()
@@ -115,19 +117,6 @@ def _train(fabric: Fabric, model, optimizer, steps: range) -> list[float]:
     return losses
 
 
-def _full_state(model, optimizer=None) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    module = getattr(model, "_forward_module", model)
-    options = StateDictOptions(full_state_dict=True)
-    state = {"model": {k: v.detach().clone() for k, v in get_model_state_dict(module, options=options).items()}}
-    if optimizer is not None:
-        optimizer = getattr(optimizer, "optimizer", optimizer)
-        # Deep copy: the step counters are the optimizer's own tensors, which the next step increments.
-        state["optimizer"] = materialize(get_optimizer_state_dict(module, optimizer, options=options))
-    return state
-
-
 def _full_checkpoints(checkpoint_dir: str, configs: list[str], devices: int) -> list[str]:
     done = []
     for name in configs:
@@ -136,7 +125,7 @@ def _full_checkpoints(checkpoint_dir: str, configs: list[str], devices: int) -> 
         fabric = _fabric(devices, layout=name)
         model, optimizer = _make(fabric, seed=1, tie_weights=tie)
         _train(fabric, model, optimizer, range(2))
-        saved = _full_state(model, optimizer)
+        saved = gather_full_state(model, optimizer)
         path = f"{checkpoint_dir}/{name}.ckpt"
         fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
         expected_losses = _train(fabric, model, optimizer, range(2, 4))
@@ -148,15 +137,19 @@ def _full_checkpoints(checkpoint_dir: str, configs: list[str], devices: int) -> 
         state = {"model": fresh_model, "optimizer": fresh_optimizer, "step": 0}
         assert fabric.load(path, state) == {}
         assert state["step"] == 2
-        if name == "fsdp_tensor_parallel":
+        if name.endswith("fsdp_tensor_parallel"):
             _assert_strided(fresh_model)
         assert not loader._warned_fallbacks, f"{name}: fell back: {loader._warned_fallbacks}"
         try:
-            assert_same_state(_full_state(fresh_model, fresh_optimizer), saved)
+            assert_same_state(gather_full_state(fresh_model, fresh_optimizer), saved)
         except AssertionError as error:
             raise AssertionError(f"{name}: {error}") from None
         resumed_losses = _train(fabric, fresh_model, fresh_optimizer, range(2, 4))
         assert resumed_losses == expected_losses, f"{name}: {resumed_losses} != {expected_losses}"
+        if name.startswith("sharded"):  # `fabric.load_raw` reads the model's entry of the directory
+            raw_model, _ = _make(fabric, seed=3)
+            fabric.load_raw(path, raw_model)
+            assert_same_state(gather_full_state(raw_model)["model"], saved["model"])
         done.append(name)
     return done
 
@@ -178,8 +171,14 @@ def test_full_checkpoint_with_adam_loads_bit_exact_and_resumes(tmp_path):
     assert results == [configs] * 2
 
 
-def test_2d_meshes_full_checkpoint_loads_bit_exact_and_resumes(tmp_path):
-    configs = ["hsdp", "fsdp_tensor_parallel"]
+def test_sharded_checkpoint_with_adam_loads_bit_exact_and_resumes(tmp_path):
+    """A distributed checkpoint directory goes through the validated sharded reader, with `load` and `load_raw`."""
+    results = run_distributed(_full_checkpoints, str(tmp_path), ["sharded"], 2, devices=2, timeout=120)
+    assert results == [["sharded"]] * 2
+
+
+def test_2d_meshes_full_and_sharded_checkpoints_load_bit_exact_and_resume(tmp_path):
+    configs = ["hsdp", "fsdp_tensor_parallel", "sharded_fsdp_tensor_parallel"]
     results = run_distributed(_full_checkpoints, str(tmp_path), configs, 4, devices=4, timeout=300)
     assert results == [configs] * 4
 
@@ -195,7 +194,7 @@ def _raw_files(paths: dict[str, str], reference_path: str, devices: int, layout:
         fabric.load_raw(path, model)
         assert not loader._warned_fallbacks, f"{fmt}: fell back: {loader._warned_fallbacks}"
         try:
-            assert_same_state(_full_state(model)["model"], reference["state"])
+            assert_same_state(gather_full_state(model)["model"], reference["state"])
         except AssertionError as error:
             raise AssertionError(f"{fmt}: {error}") from None
         assert torch.equal(_loss(model, 7).detach(), reference["loss"]), fmt

@@ -2,12 +2,15 @@
 
 import logging
 import re
+import warnings
 
 import lightning_utilities.core.rank_zero as rank_zero_module
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.loading.errors import CheckpointLoadError
@@ -32,6 +35,20 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model(tokens))
+
+
+class LitTiny(LightningModule):
+    """A LightningModule around the tiny transformer, as the Trainer saves it: its weights under ``state_dict``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyTransformer()
+
+    def training_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens).float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.1)
 
 
 @pytest.fixture
@@ -144,6 +161,47 @@ def test_nothing_in_common_gives_no_advice_that_fails(state_dict):
     assert "rename" not in str(raised.value)
 
 
+def _with_exact_embedding(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor without the model's prefix `model.`, plus the embedding under its exact name `model.`."""
+    return {**state_dict, "model.embedding.weight": torch.full_like(state_dict["embedding.weight"], 0.125)}
+
+
+def test_an_exact_name_wins_over_the_alignment(state_dict):
+    """Adding `model.` would load 'embedding.weight' where the file holds 'model.embedding.weight': not applied."""
+    targets, specs = _targets(state_dict, "model."), _specs(_with_exact_embedding(state_dict))
+    others = [name for name in state_dict if name != "embedding.weight"]
+    # strict=False matches names exactly, as strict=True does, and says why the prefix was not added.
+    plan = plan_load(targets, specs, strict=False)
+    assert plan.aligned == {}
+    assert plan.sources == {"model.embedding.weight": "model.embedding.weight"}
+    assert plan.missing == [f"model.{name}" for name in others]
+    assert plan.unexpected == list(state_dict)
+    summary = plan.skipped_summary()
+    assert summary.endswith(
+        "names matched exactly, because once the prefix 'model.' is added to them, 'embedding.weight' would be loaded"
+        " into 'model.embedding.weight', which the checkpoint holds by its exact name 'model.embedding.weight' (an"
+        " exact name always wins over the automatic alignment)"
+    ), summary
+    # strict=True refuses the same plan, and names the two ways out.
+    with pytest.raises(CheckpointLoadError) as raised:
+        plan_load(targets, specs, strict=True)
+    message = str(raised.value)
+    assert f"{len(others)} missing key(s)" in message
+    assert "The names were not aligned automatically: once the prefix 'model.' is added to them" in message
+    value = "{'': 'model.', 'model.embedding.weight': None}"
+    assert f"`rename={value}` loads the renamed tensors and leaves out the exactly named ones" in message
+    assert "`strict=False` loads only the tensors whose names match exactly" in message
+    assert "fabric.strategy.load_options" in message
+    # The advised rename loads every tensor, strictly.
+    plan = plan_load(targets, specs, strict=True, rename={"": "model.", "model.embedding.weight": None})
+    assert plan.sources == {f"model.{name}": name for name in state_dict}
+    # An alignment that keeps every exact match is applied: removing `module.` leaves 'head.weight' feeding its own.
+    checkpoint = {(name if name == "head.weight" else f"module.{name}"): t for name, t in state_dict.items()}
+    plan = plan_load(_targets(state_dict), _specs(checkpoint), strict=True)
+    assert plan.aligned == {"module.": ""}
+    assert plan.sources == {name: name if name == "head.weight" else f"module.{name}" for name in state_dict}
+
+
 def test_explicit_rename(state_dict):
     targets = _targets(state_dict)
     causal = _specs(_causal_lm_state(state_dict))
@@ -193,6 +251,30 @@ def test_load_raw_takes_the_one_module_entry(tmp_path, state_dict):
             assert torch.equal(opened.source.read("head.weight"), state_dict["head.weight"])
             assert opened.entries == {}  # the rest is not read: `load_raw` returns nothing
             opened.close()
+
+
+@pytest.mark.parametrize(
+    ("content", "pattern"),
+    [
+        (
+            {"model_state_dict": "STATE", "optimizer_state_dict": {"state": {}, "param_groups": []}, "epoch": 1},
+            r"no entry 'model' for the model.*weights are under 'model_state_dict'\. Load them with"
+            r" `fabric.load\(path, \{'model_state_dict': model\}\)`\.$",
+        ),
+        (
+            {"module": "STATE", "ema": "STATE"},
+            r"2 of them hold a module state \('module', 'ema'\)\. Name the one to load as the key of the model:"
+            r" `fabric.load\(path, \{'module': model\}\)` or `fabric.load\(path, \{'ema': model\}\)`\.$",
+        ),
+        ({"optimizer": {"state": {}, "param_groups": []}, "step": 1}, r"none of them holds a module state"),
+    ],
+)
+def test_fabric_load_without_the_model_entry_names_the_calls_that_work(tmp_path, state_dict, content, pattern):
+    content = {key: state_dict if value == "STATE" else value for key, value in content.items()}
+    torch.save(content, tmp_path / "other.ckpt")
+    with pytest.raises(CheckpointLoadError, match=pattern) as error:
+        open_checkpoint(detect_checkpoint(tmp_path / "other.ckpt"), "model", weights_only=True)
+    assert "{'model': model}" not in str(error.value)  # never the call that just failed
 
 
 @pytest.mark.parametrize(
@@ -273,6 +355,25 @@ def _whole_checkpoints(paths: dict[str, str]) -> bool:
     return True
 
 
+def _trainer_checkpoint(path: str) -> bool:
+    expected = torch.load(path, weights_only=True)["state_dict"]
+    fabric = _fabric()
+    model = _model(fabric, seed=2, cls=LitTiny)
+    before = gather_full_state(model)["model"]
+    # The call a Fabric user writes first is refused on every rank, naming the two calls that load this file.
+    calls = r"`fabric.load_raw\(path, model\)` or `fabric.load\(path, \{'state_dict': model\}\)`\.$"
+    with pytest.raises(CheckpointLoadError, match=rf"(?s)no entry 'model' for the model.*under 'state_dict'.*{calls}"):
+        fabric.load(path, {"model": model})
+    assert_same_state(gather_full_state(model)["model"], before)
+    # Both load it bit-exact.
+    fabric.load_raw(path, model)
+    assert_same_state(gather_full_state(model)["model"], expected)
+    model = _model(fabric, seed=2, cls=LitTiny)
+    fabric.load(path, {"state_dict": model})
+    assert_same_state(gather_full_state(model)["model"], expected)
+    return True
+
+
 def _prefixes(paths: dict[str, str]) -> bool:
     expected = torch.load(paths["expected"], weights_only=True)
     fabric = _fabric()
@@ -329,6 +430,45 @@ def _submodule(paths: dict[str, str], use_orig_params: bool) -> bool:
     return True
 
 
+class Wrapper(nn.Module):
+    """A model whose every name starts with `model.` (a LightningModule's `self.model`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TinyTransformer()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+
+def _exact_name_wins(paths: dict[str, str]) -> bool:
+    checkpoint = torch.load(paths["exact_and_unprefixed"], weights_only=True)
+    fabric = _fabric()
+    model = _model(fabric, seed=2, cls=Wrapper)
+    before = gather_full_state(model)["model"]
+    # strict=True: refused, nothing written, the two ways out named.
+    with pytest.raises(
+        CheckpointLoadError, match=r"(?s)not aligned automatically.*'embedding\.weight' would be loaded"
+    ):
+        fabric.load_raw(paths["exact_and_unprefixed"], model)
+    assert_same_state(gather_full_state(model)["model"], before)
+    # strict=False: the exactly named tensor loads, nothing else; the warning says why.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load_raw(paths["exact_and_unprefixed"], model, strict=False)
+    if fabric.global_rank == 0:
+        text = " ".join(str(w.message) for w in caught)
+        assert "names matched exactly, because once the prefix 'model.' is added to them" in text, text
+    after = gather_full_state(model)["model"]
+    expected = {**before, "model.embedding.weight": checkpoint["model.embedding.weight"]}
+    assert_same_state(after, expected)
+    # The advised rename loads the unprefixed tensors, strictly.
+    _load(fabric, paths["exact_and_unprefixed"], model, rename={"": "model.", "model.embedding.weight": None})
+    unprefixed = {k: v for k, v in checkpoint.items() if k != "model.embedding.weight"}
+    assert_same_state(gather_full_state(model)["model"], _prefixed(unprefixed, "model."))
+    return True
+
+
 @pytest.fixture
 def user_files(tmp_path, state_dict) -> dict[str, str]:
     paths = {name: str(tmp_path / f"{name}.ckpt") for name in ("expected", "final", "trainer", "compiled", "renamed")}
@@ -337,6 +477,8 @@ def user_files(tmp_path, state_dict) -> dict[str, str]:
     torch.save(trainer, paths["trainer"])
     torch.save(_prefixed(state_dict, "_orig_mod."), paths["compiled"])
     torch.save({name.replace("blocks.", "layer_"): t for name, t in state_dict.items()}, paths["renamed"])
+    paths["exact_and_unprefixed"] = str(tmp_path / "exact_and_unprefixed.ckpt")
+    torch.save(_with_exact_embedding(state_dict), paths["exact_and_unprefixed"])
     paths["causal_lm"] = str(write_checkpoint(_causal_lm_state(state_dict), tmp_path / "hf", "hf-index-safetensors"))
     paths["bare"] = str(write_checkpoint(state_dict, tmp_path / "bare", "safetensors"))
     (tmp_path / "sharded").mkdir()
@@ -349,6 +491,24 @@ def test_load_raw_of_whole_checkpoints(user_files):
     assert run_distributed(_whole_checkpoints, user_files, devices=2) == [True, True]
 
 
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # lightning.pytorch 2.6 on torch 2.13
+def test_a_lightning_trainer_checkpoint_through_fabric_load(tmp_path):
+    torch.manual_seed(0)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(LitTiny(), DataLoader(torch.randint(0, 37, (4, 8)), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "trained.ckpt")
+    assert run_distributed(_trainer_checkpoint, str(tmp_path / "trained.ckpt"), devices=2) == [True, True]
+
+
 def test_names_that_differ(user_files):
     assert run_distributed(_prefixes, user_files, devices=2) == [True, True]
 
@@ -356,3 +516,7 @@ def test_names_that_differ(user_files):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_loading_into_a_submodule_is_refused_with_a_way_out(user_files, use_orig_params):
     assert run_distributed(_submodule, user_files, use_orig_params, devices=2) == [True, True]
+
+
+def test_an_exact_name_wins_on_a_sharded_model(user_files):
+    assert run_distributed(_exact_name_wins, user_files, devices=2) == [True, True]

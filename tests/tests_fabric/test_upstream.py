@@ -18,9 +18,9 @@ from pathlib import Path
 import lightning
 import pytest
 
-from lightning_fsdp.upstream import UpstreamError, destinations, plan
+from lightning_fsdp.upstream import UpstreamError, _apply, destinations, plan
 from lightning_fsdp.upstream.__main__ import main
-from lightning_fsdp.upstream._apply import _changelog
+from lightning_fsdp.upstream._apply import _changelog, pinned_fingerprints
 from lightning_fsdp.upstream._merge import merge_module
 from lightning_fsdp.upstream._source import Source
 
@@ -30,7 +30,11 @@ pytestmark = pytest.mark.package_only
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    root = tmp_path / "lightning"
+    return installed_lightning_tree(tmp_path / "lightning")
+
+
+def installed_lightning_tree(root: Path) -> Path:
+    """A copy of the installed `lightning` package laid out as a checkout, with empty tests and docs folders."""
     shutil.copytree(
         Path(lightning.__file__).parent, root / "src" / "lightning", ignore=shutil.ignore_patterns("__pycache__")
     )
@@ -70,7 +74,7 @@ def test_writes_the_change_in_lightnings_layout(tree: Path) -> None:
     methods = [node.name for node in upstream_class.body if isinstance(node, ast.FunctionDef)]
     assert methods.count("load_checkpoint") == 1
     assert "_default_setup_environment" in methods  # upstream's body, called from ours
-    assert "_default_load_checkpoint" not in methods  # ours replaces it entirely
+    assert "_default_load_checkpoint" in methods  # upstream's, for remote paths
     assert "load_concurrency: How many ranks" in fsdp  # the argument joins the class docstring
     assert len(fsdp) > len(original_fsdp)
     for change in result.changes:
@@ -125,6 +129,33 @@ def test_refuses_a_tree_of_another_version(tree: Path) -> None:
     assert stderr.getvalue().startswith("error: ")
     assert fsdp.read_text() == changed  # nothing was written
     assert not (tree / "src/lightning/fabric/utilities/checkpoint_loading").exists()
+
+
+def test_accepts_a_tree_that_differs_only_where_the_change_does_not_reach(tree: Path) -> None:
+    """Only the definitions that the change replaces or calls are compared: upstream may move elsewhere."""
+    fsdp = tree / "src/lightning/fabric/strategies/fsdp.py"
+    text = fsdp.read_text() + "\n\ndef _a_helper_added_on_master() -> None:\n    pass\n"
+    fsdp.write_text(text.replace("def barrier(self, *args: Any, **kwargs: Any)", "def barrier(self, *args: Any)", 1))
+    (tree / "src" / "version.info").write_text("2.7.0.dev0")
+    result = plan(tree)
+    assert not any("master" in note for note in result.notes)
+
+
+def test_accepts_the_definitions_of_the_pinned_master(tree: Path, monkeypatch) -> None:
+    """A definition that the change calls may be master's at the pinned commit (its fingerprint), and is named."""
+    fsdp = tree / "src/lightning/fabric/strategies/fsdp.py"
+    text = fsdp.read_text()
+    fsdp.write_text(text.replace("def _is_sharded_checkpoint(path: Path)", "def _is_sharded_checkpoint(path)"))
+    with pytest.raises(UpstreamError, match=r"nor like Lightning's master.*\n.*`_is_sharded_checkpoint`"):
+        plan(tree)
+    pinned = pinned_fingerprints(tree)
+    assert list(pinned) == ["lightning.fabric.strategies.fsdp"]
+    assert list(pinned["lightning.fabric.strategies.fsdp"]) == ["_is_sharded_checkpoint"]
+    monkeypatch.setattr(_apply, "PINNED_MASTER_DEFINITIONS", pinned)
+    result = plan(tree)
+    (note,) = [note for note in result.notes if "master" in note]
+    assert f"master at {_apply.PINNED_MASTER_COMMIT}" in note
+    assert "strategies/fsdp.py: `_is_sharded_checkpoint`" in note
 
 
 def test_refuses_a_directory_that_is_not_lightning(tmp_path: Path) -> None:

@@ -11,6 +11,14 @@ without tripping the process-group timeout. Every wait is bounded all the same:
   failure, so every rank raises the same error;
 - a store that cannot be reached (its host, rank 0 without a launcher, died) fails the next store operation at once.
 
+Each block meets under its own namespace in the store, which the caller gives, the same on every rank and new for
+every block (the loader's is made on rank 0 by :func:`new_namespace` and travels with the path broadcast). Nothing a
+rank did or failed to do in one block (fail before the first agreement, skip the block, be interrupted) can shift
+where the ranks meet in the next one: there is no count of agreements that each rank keeps for itself. A rank that
+never joins a block (it failed before it, or was killed) shows no heartbeat there, and is named as such, not as dead.
+The keys of a finished block are deleted once every rank has passed an agreement of a later block on the same store,
+so that no rank can still read them: the store does not grow with the number of loads.
+
 The waits poll with non-blocking operations (``check``, ``add``) and short sleeps, never the store's blocking
 ``wait``: its timeout raises a different exception per store type (``FileStore``: a plain ``RuntimeError``), and
 ``TCPStore`` logs a warning for every slice that times out.
@@ -24,16 +32,17 @@ Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
 import json
+import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from types import TracebackType
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, unexpected_cause
 
 #: Where the agreements' keys live in the store.
 _KEY_ROOT = "lightning_fsdp/agreement"
@@ -53,6 +62,16 @@ _FAILURE_GRACE_S = 5.0
 _LEAVE_GRACE_S = 5.0
 #: Error messages are cut to this length in the store.
 _MAX_MESSAGE_CHARS = 2000
+
+#: The keys that this process used in blocks it has left, by the store they live on: deleted once every rank has passed
+#: an agreement of a later block on that store (see :meth:`Agreement.discard_later`).
+_finished_keys: list[tuple[dist.Store, dist.Store, str]] = []
+_finished_keys_lock = threading.Lock()
+
+
+def new_namespace() -> str:
+    """A name for one block's keys that no other block on any store uses: rank 0 makes it and sends it to the others."""
+    return secrets.token_hex(8)
 
 
 def poll_until(
@@ -94,15 +113,18 @@ class Agreement:
     Every rank enters it (it is a context manager) and makes the same calls to :meth:`agree`; leaving the block
     agrees once more. If any rank failed, every rank raises the same
     :class:`~lightning_fsdp.loading.errors.CheckpointLoadError`, naming the rank(s) that failed and their errors (on a
-    failing rank, chained to the original exception). A rank that is killed outright is named too (``rank 3 stopped
-    responding (killed? out of memory?)``), about half a minute after it died. With a single process, or without an
-    initialized process group, nothing waits and an exception propagates unchanged.
+    failing rank, with the original exception as its ``cause``). A rank that is killed outright is named too
+    (``rank 3 stopped responding (killed? out of memory?)``), about half a minute after it died. With a single
+    process, or without an initialized process group, nothing waits and an exception propagates unchanged.
 
     Do not run a collective between a failure-prone step and the next :meth:`agree`: a rank that failed would not
     join it, and the others would wait in it under the process-group timeout.
 
     Args:
         description: What is being done, for error messages (``"Loading 'x.ckpt' failed on rank 3: ..."``).
+        namespace: Where this block's keys live in the store: the same on every rank, and used by no earlier block on
+            the same store (rank 0 makes one with :func:`new_namespace` and sends it with a collective that every rank
+            runs before the block, as the loader does with the path broadcast). Required with several ranks.
         on_wait: Called while waiting, between polls (for example to keep a progress bar moving).
         store: The key-value store to meet on, with ``rank`` and ``world_size``. By default, the store, rank and world
             size of the default process group.
@@ -111,7 +133,8 @@ class Agreement:
 
     Example::
 
-        with Agreement("Reading 'x.ckpt'"):
+        namespace = broadcast(new_namespace())  # rank 0's, on every rank
+        with Agreement("Reading 'x.ckpt'", namespace=namespace):
             detected = detect_checkpoint(path)  # a failure here, on any rank, is raised on every rank
 
     """
@@ -120,6 +143,7 @@ class Agreement:
         self,
         description: str = "Loading the checkpoint",
         *,
+        namespace: str | None = None,
         on_wait: Callable[[], None] | None = None,
         store: dist.Store | None = None,
         rank: int = 0,
@@ -128,6 +152,7 @@ class Agreement:
         if store is not None and not 0 <= rank < world_size:
             raise ValueError(f"`Agreement(rank={rank}, world_size={world_size})`: the rank must be in the world.")
         self._description = description
+        self._namespace = namespace
         self._on_wait = on_wait
         self._root = store
         self._rank = rank
@@ -136,6 +161,7 @@ class Agreement:
         self._heartbeat: _Heartbeat | None = None
         self._liveness: _Liveness | None = None
         self._agreements = 0
+        self._used_keys: list[tuple[dist.Store, str]] = []
         self._published = False
         self._agreed_failure: CheckpointLoadError | None = None
         self._lost_store: CheckpointLoadError | None = None
@@ -158,11 +184,16 @@ class Agreement:
             root, self._rank, self._world_size = _default_store(), dist.get_rank(), dist.get_world_size()
         if self._world_size == 1:
             return self
-        # Each rank counts its own agreements; all ranks enter the same ones in the same order, so the counts match
-        # and every agreement gets fresh keys.
-        count = self.call(root.add, f"{_KEY_ROOT}/count/{self._rank}", 1)
-        self._store = dist.PrefixStore(f"{_KEY_ROOT}/{count}/", root)
+        if not self._namespace:
+            raise ValueError(
+                "`Agreement(namespace=...)` is required with several ranks: pass a name that is the same on every rank"
+                " and new for every block, made on rank 0 with `new_namespace()` and sent to the others with a"
+                " collective that every rank runs before the block."
+            )
+        self._root = root
+        self._store = dist.PrefixStore(f"{_KEY_ROOT}/{self._namespace}/", root)
         alive = dist.PrefixStore("alive/", self._store)
+        self.discard_later(alive, [str(self._rank)])
         self._heartbeat = _Heartbeat(alive, str(self._rank))
         self._liveness = _Liveness(alive, self._rank, self._world_size)
         return self
@@ -184,6 +215,7 @@ class Agreement:
         finally:
             assert self._heartbeat is not None
             self._heartbeat.stop()
+            self._leave_keys_behind()
 
     def agree(self, error: BaseException | None = None) -> None:
         """Wait for every rank, then return on all of them, or raise the same error on all of them.
@@ -197,7 +229,7 @@ class Agreement:
 
         Raises:
             CheckpointLoadError: If any rank failed or stopped responding, naming the rank(s) and their errors; on a
-                failing rank it is chained to ``error``. With a single process, ``error`` itself is raised.
+                failing rank, ``error`` is its ``cause``. With a single process, ``error`` itself is raised.
 
         """
         if self._store is None:
@@ -217,11 +249,15 @@ class Agreement:
         failures = self._wait(lambda: int(store.add(key, 0)) >= self._world_size, phase)
         if not failures:
             self._leave(f"{key}/read", expected=self._world_size)
+            # Every rank has entered this block, so every rank has left the earlier ones: nobody reads their keys.
+            _delete_finished_keys(self._root)
             return
         # After a failure, the ranks may be at different agreements (or waiting elsewhere): they all meet here.
         failures = self._meet_after_failure(failures, phase)
         self._agreed_failure = _agreed_error(self._description, failures)
-        raise self._agreed_failure from (error if own_failure else None)
+        if own_failure:
+            self._agreed_failure.cause = error
+        raise self._agreed_failure from unexpected_cause(self._agreed_failure.cause)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank: an agreement (see :meth:`agree`) that also counts the ranks that set it.
@@ -274,6 +310,16 @@ class Agreement:
             message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
         self._append_failure(self._rank, message, self._agreements)
 
+    def discard_later(self, store: dist.Store, keys: Iterable[str]) -> None:
+        """Delete ``keys`` of ``store`` (a prefix store under :attr:`store`) once no rank can read them any more.
+
+        They are deleted after this block, once every rank has passed an agreement of a later block on the same store
+        (every rank has then left this one). Each rank names the keys it used; a key named by several ranks is deleted
+        by each, harmlessly.
+
+        """
+        self._used_keys.extend((store, key) for key in keys)
+
     def call(self, operation: Callable[..., Any], *args: Any) -> Any:
         """Run one store operation; a store that cannot be reached becomes a :class:`CheckpointLoadError`.
 
@@ -292,6 +338,19 @@ class Agreement:
             )
             raise self._lost_store from error
 
+    def _leave_keys_behind(self) -> None:
+        """Hand this block's keys over for deletion, once every rank is in a later block (see :meth:`discard_later`)."""
+        assert self._store is not None
+        keys = ["failures", "failed", "failed/read"]
+        for phase in range(self._agreements + 1):  # another rank may have reached one agreement more than this one
+            keys += [f"agreement{phase}", f"agreement{phase}/read", f"any{phase}"]
+        self.discard_later(self._store, keys)
+        if self._rank == 0:  # the waiting ranks create the counters of ranks that never beat
+            self.discard_later(dist.PrefixStore("alive/", self._store), [str(rank) for rank in range(self._world_size)])
+        with _finished_keys_lock:
+            _finished_keys.extend((self._root, store, key) for store, key in self._used_keys)
+        self._used_keys = []
+
     def _wait(self, ready: Callable[[], bool], phase: int) -> dict[int, _Failure]:
         """Poll until ``ready()`` holds or a rank failed or stopped responding; return those failures (or none).
 
@@ -309,8 +368,8 @@ class Agreement:
             failures = self._failures(phase)
             if not failures and not is_ready:
                 dead = self.call(liveness.unresponsive)
-                for rank in dead:
-                    self._append_failure(rank, _unresponsive_message(rank), phase, unresponsive=True)
+                for rank, joined in dead.items():
+                    self._append_failure(rank, _unresponsive_message(rank, joined), phase, unresponsive=True)
                 if dead:
                     failures = self._failures(phase)  # the first record of each rank wins, the same on every rank
             return is_ready or bool(failures)
@@ -416,19 +475,23 @@ class _Liveness:
         self._last_change: dict[int, tuple[int, float]] = {}
         self._next_read = time.monotonic() + _HEARTBEAT_S
 
-    def unresponsive(self) -> list[int]:
-        """The ranks found dead; the counters are read at most every ``_HEARTBEAT_S`` (an empty list in between)."""
+    def unresponsive(self) -> dict[int, bool]:
+        """The ranks found dead, each with whether it ever beat (joined); read at most every ``_HEARTBEAT_S``.
+
+        Between two reads it returns no rank.
+
+        """
         now = time.monotonic()
         if now < self._next_read:
-            return []
+            return {}
         self._next_read = now + _HEARTBEAT_S
-        dead = []
+        dead = {}
         for rank, count in zip(self._ranks, self._read(), strict=True):
             last = self._last_change.get(rank)
             if last is None or last[0] != count:
                 self._last_change[rank] = (count, now)
             elif now - last[1] > _UNRESPONSIVE_AFTER_S:
-                dead.append(rank)
+                dead[rank] = count > 0  # a heartbeat bumps its counter as soon as it starts
         return dead
 
     def _read(self) -> list[int]:
@@ -441,12 +504,34 @@ class _Liveness:
         return [int(value) for value in self._store.multi_get(self._keys)]
 
 
-def _unresponsive_message(rank: int) -> str:
+def _unresponsive_message(rank: int, joined: bool) -> str:
+    if not joined:
+        # Alive or not, it never got here: it may have failed before this block (and be waiting elsewhere).
+        return (
+            f"rank {rank} did not join within {_UNRESPONSIVE_AFTER_S:.0f} s: it has shown no heartbeat in the process"
+            " group's store since this block began. It failed before it got here (its own output says why), or it was"
+            " killed (out of memory?: see the system log, `dmesg`)."
+        )
     return (
         f"rank {rank} stopped responding (killed? out of memory?): its heartbeat in the process group's store has not"
         f" moved for {_UNRESPONSIVE_AFTER_S:.0f} s. Its own output, the system log (`dmesg`) or the job scheduler's"
         " log say why it stopped."
     )
+
+
+def _delete_finished_keys(root: dist.Store) -> None:
+    """Delete the keys that this process left on ``root`` in earlier blocks (see :meth:`Agreement.discard_later`).
+
+    Call it only once every rank is known to have entered a later block on ``root``.
+
+    """
+    with _finished_keys_lock:
+        finished = [(store, key) for owner, store, key in _finished_keys if owner is root]
+        _finished_keys[:] = [entry for entry in _finished_keys if entry[0] is not root]
+    # Housekeeping: a store that fails now fails the next agreement too, which reports it.
+    with suppress(RuntimeError):
+        for store, key in finished:
+            store.delete_key(key)
 
 
 def _reports_others(error: BaseException, rank: int) -> bool:

@@ -1,4 +1,16 @@
-"""The one error type that every checkpoint-loading failure raises, on every rank."""
+"""The one error type that every checkpoint-loading failure raises, on every rank, and how file text reaches it.
+
+Any text that comes from a file (tensor names, keys, shard file names, the global names that torch's unpickler quotes
+in its errors) may hold control characters: an escape sequence that retitles or clears a terminal, a newline that
+forges a log line. Such text reaches a message only through :func:`printable`, :func:`first_line` (an exception's
+text) or :func:`quoted_names` (names), or as ``repr`` quotes it (``{name!r}``).
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+#: Names listed in one message, before ``... (N more)``.
+SHOWN_NAMES = 5
 
 
 class CheckpointLoadError(RuntimeError):
@@ -7,9 +19,71 @@ class CheckpointLoadError(RuntimeError):
     Args:
         message: What went wrong, and the fix.
         failed_ranks: The global ranks on which the failure happened (empty when it was detected on every rank alike).
+        cause: The exception on this rank that the message reports, kept as :attr:`cause`.
+
+    Attributes:
+        cause: The exception on this rank that the message reports, with its own traceback, for debugging: ``None``
+            where the error was raised where it happened, and on a rank that reports another rank's failure. The error
+            is raised ``from unexpected_cause(cause)``, so that a traceback prints the cause only when it is unexpected
+            (an I/O error, a bug): a ``CheckpointLoadError``'s text is in this message already, and the user reads the
+            cause once and the fix once.
 
     """
 
-    def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, failed_ranks: tuple[int, ...] = (), cause: BaseException | None = None) -> None:
         super().__init__(message)
         self.failed_ranks = tuple(failed_ranks)
+        self.cause = cause
+
+
+class CheckpointPathError(CheckpointLoadError, ValueError):
+    """The path holds no checkpoint: it does not exist, or it holds nothing that loads.
+
+    It is also a ``ValueError``, the type that Lightning's own ``FSDPStrategy`` raises for a path it refuses, so that
+    code written against upstream (``except ValueError``) and code written against this package
+    (``except CheckpointLoadError``) both catch it.
+
+    """
+
+
+def unexpected_cause(cause: BaseException | None) -> BaseException | None:
+    """The exception that a traceback should print under the ``CheckpointLoadError`` that reports ``cause``.
+
+    Use it as ``raise CheckpointLoadError(message, cause=cause) from unexpected_cause(cause)``. It is the first
+    exception in ``cause``'s chain that is not a ``CheckpointLoadError`` (an I/O error, a bug: its traceback says where
+    it happened), or ``None``: a ``CheckpointLoadError``'s text is in the message that reports it already, and
+    printing it again would show the user the same error twice.
+
+    """
+    while isinstance(cause, CheckpointLoadError):
+        cause = cause.__cause__
+    return cause
+
+
+def printable(text: str) -> str:
+    r"""``text`` with each character that a terminal would act on escaped as ``repr`` escapes it, the rest unchanged.
+
+    Controls, escape sequences' ``ESC``, line breaks and invisible format characters become ``\x1b``, ``\n``,
+    ``\u202e``: they are shown, never acted on.
+
+    """
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (or its type's name), escaped, for one-line error messages.
+
+    Exceptions raised while reading a file (torch's unpickler, JSON) quote the file's text; it stays quoted, never raw.
+
+    """
+    text = str(error).strip()
+    return printable(text.split("\n", 1)[0][:500]) if text else type(error).__name__
+
+
+def quoted_names(names: Iterable[Any]) -> str:
+    """The first :data:`SHOWN_NAMES` of ``names``, each quoted by ``repr``, and how many more there are."""
+    names = list(names)
+    shown = ", ".join(repr(name) for name in names[:SHOWN_NAMES])
+    return shown + (f", ... ({len(names) - SHOWN_NAMES} more)" if len(names) > SHOWN_NAMES else "")

@@ -8,6 +8,7 @@ hold any object and is read whole by ``torch.load``.
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
+import itertools
 import json
 from collections.abc import Mapping
 from contextlib import ExitStack
@@ -18,12 +19,13 @@ from typing import Any
 
 import torch
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, first_line, quoted_names
 from lightning_fsdp.loading.files import CheckpointPath, lexists, open_stream, require_regular_file
 from lightning_fsdp.loading.legacy import read_legacy_structure
 from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.safetensors_header import read_safetensors_locations
 from lightning_fsdp.loading.sources import (
+    MAX_TENSORS,
     ByteRangeSource,
     DictSource,
     MergedSource,
@@ -31,6 +33,7 @@ from lightning_fsdp.loading.sources import (
     TensorRef,
     TensorSource,
     check_state_dict,
+    map_tensors,
     walk_tensors,
 )
 from lightning_fsdp.loading.torch_pickle import TorchFileStructure, read_zip_structure, unpickling_errors
@@ -39,6 +42,9 @@ from lightning_fsdp.loading.torch_pickle import TorchFileStructure, read_zip_str
 FABRIC_METADATA_FILENAME = "meta.pt"
 #: The file that torch's distributed checkpoint (DCP) writes into every checkpoint directory.
 DCP_METADATA_FILENAME = ".metadata"
+#: A larger ``*.index.json`` is refused unread: the index of a trillion-parameter model (some 200,000 tensors) is a few
+#: tens of MB, and parsing costs several times the file's size in memory on every rank.
+MAX_INDEX_BYTES = 64 * 2**20
 #: Single-file Hugging Face checkpoints that a directory may hold instead of an index.
 _HF_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 #: Preferred when a directory holds indexes for both formats (safetensors never unpickles).
@@ -72,6 +78,8 @@ class DetectedCheckpoint:
     format: CheckpointFormat
     files: tuple[Path, ...]
     """Every file the checkpoint consists of (the shards of an index; the path itself otherwise)."""
+    weight_map: Mapping[str, str] | None = field(default=None, repr=False, compare=False)
+    """A Hugging Face index's tensor name -> shard file name, read once, here."""
 
     @property
     def nbytes(self) -> int:
@@ -96,13 +104,16 @@ def detect_checkpoint(path: str | CheckpointPath) -> DetectedCheckpoint:
     path = path if isinstance(path, RemotePath) else Path(path)
     if not path.exists():
         raise CheckpointLoadError(
-            f"The checkpoint path {str(path)!r} does not exist. Check the path (it must be reachable from every node)."
+            f"The checkpoint path {str(path)!r} does not exist (no such file or directory). Pass the path of a"
+            " checkpoint file or directory that every node can reach."
         )
     if path.is_dir():
         return _detect_directory(path)
     file_format = _sniff_file(path)
     if file_format is CheckpointFormat.HF_INDEX:
-        return DetectedCheckpoint(path, file_format, tuple(sorted(set(read_index(path).values()))))
+        weight_map = read_index(path)
+        shards = tuple(sorted(path.parent / name for name in set(weight_map.values())))
+        return DetectedCheckpoint(path, file_format, shards, weight_map)
     return DetectedCheckpoint(path, file_format, (path,))
 
 
@@ -118,7 +129,7 @@ def _detect_directory(path: Path) -> DetectedCheckpoint:
         if (path / name).exists():
             return detect_checkpoint(path / name)
     contents = sorted(p.name for p in path.iterdir())
-    shown = ", ".join(contents[:10]) + (f", ... ({len(contents)} entries)" if len(contents) > 10 else "")
+    shown = quoted_names(contents)
     raise CheckpointLoadError(
         f"The directory {str(path)!r} holds no checkpoint. Expected a sharded Fabric checkpoint (`meta.pt` and"
         f" `.metadata`), a Hugging Face index (`*.index.json`), or one of {', '.join(_HF_SINGLE_FILES)}."
@@ -147,39 +158,63 @@ def _sniff_file(path: Path) -> CheckpointFormat:
     )
 
 
-def read_index(path: Path) -> dict[str, Path]:
-    """The ``weight_map`` of a Hugging Face index: tensor name -> the shard file (next to the index) that holds it.
+def read_index(path: Path) -> dict[str, str]:
+    """The ``weight_map`` of a Hugging Face index: tensor name -> the name of the shard file (next to the index).
+
+    The index is read once, and refused before it is parsed when it is larger than :data:`MAX_INDEX_BYTES` or could
+    name more than :data:`~lightning_fsdp.loading.sources.MAX_TENSORS` tensors; the checks of shard names run once
+    per shard, not once per tensor.
 
     Raises:
-        CheckpointLoadError: If the index is not valid JSON, has no ``weight_map``, names a file outside its
-            directory (an absolute path, ``..``), or a shard that does not exist.
+        CheckpointLoadError: If the index is too large, not valid JSON, has no ``weight_map``, names a file outside
+            its directory (an absolute path, ``..``), or a shard that does not exist.
 
     """
-    require_regular_file(path, "index file")
+    size = require_regular_file(path, "index file").st_size
+    if size <= MAX_INDEX_BYTES:
+        with open(path, "rb") as file:
+            data = file.read(MAX_INDEX_BYTES + 1)  # never more than the limit, even if the file grew meanwhile
+        size = len(data)
+    if size > MAX_INDEX_BYTES:
+        raise CheckpointLoadError(
+            f"The index file {str(path)!r} holds {size} bytes, more than the limit of {MAX_INDEX_BYTES} bytes (64 MiB)"
+            " for a Hugging Face index (the index of a trillion-parameter model is a few tens of MB): it is not an"
+            " index, or it is corrupt. Re-download the checkpoint."
+        )
+    # Each entry takes two JSON strings, four quotes: a bound on the entries before parsing builds any of them (a
+    # quote escaped in a name only raises it).
+    entries_at_most = data.count(b'"') // 4
+    if entries_at_most > MAX_TENSORS:
+        raise CheckpointLoadError(
+            f"The index {str(path)!r} names up to {entries_at_most} tensors, more than the limit of"
+            f" {MAX_TENSORS} (the largest models have a few hundred thousand): it is corrupt or crafted. Re-download"
+            " the checkpoint."
+        )
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        index = json.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CheckpointLoadError(f"The index file {str(path)!r} is not valid JSON: {error}.") from None
+        raise CheckpointLoadError(f"The index file {str(path)!r} is not valid JSON: {first_line(error)}.") from None
+    del data
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointLoadError(
             f"The JSON file {str(path)!r} is not a Hugging Face checkpoint index: it has no `weight_map` that maps"
             " tensor names to file names."
         )
-    outside = sorted({name for name in weight_map.values() if not _is_plain_relative(name)})
+    shards = sorted(set(weight_map.values()))
+    outside = [name for name in shards if not _is_plain_relative(name)]
     if outside:
         raise CheckpointLoadError(
-            f"The index {str(path)!r} names shard file(s) outside its directory: {', '.join(map(repr, outside[:5]))}."
+            f"The index {str(path)!r} names shard file(s) outside its directory: {quoted_names(outside)}."
             " A Hugging Face index names its shards by file names relative to it; refusing to read other files."
         )
-    files = {name: path.parent / file for name, file in weight_map.items()}
-    missing = sorted({file.name for file in files.values() if not file.exists()})
+    missing = [name for name in shards if not (path.parent / name).exists()]
     if missing:
         raise CheckpointLoadError(
             f"The index {str(path)!r} names {len(missing)} shard file(s) that do not exist next to it:"
-            f" {', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}. Download or copy the missing shards."
+            f" {quoted_names(missing)}. Download or copy the missing shards."
         )
-    return files
+    return weight_map
 
 
 def _is_plain_relative(name: str) -> bool:
@@ -249,7 +284,7 @@ def open_checkpoint(
     if detected.format is CheckpointFormat.SAFETENSORS:
         return OpenedCheckpoint(ByteRangeSource(read_safetensors_locations(detected.path)))
     if detected.format is CheckpointFormat.HF_INDEX:
-        return OpenedCheckpoint(_open_index(detected.path, weights_only, verify_crc))
+        return OpenedCheckpoint(_open_index(detected, weights_only, verify_crc))
     if detected.reads_whole(weights_only):
         content = _as_mapping(load_torch_file(detected.path, weights_only), detected.path)
         return _split_entries(content, module_key, detected.path, DictSource, lambda entries: ([], entries))
@@ -261,11 +296,11 @@ def open_checkpoint(
         return ByteRangeSource(structure.locate(state_dict))
 
     def lazy_entries(entries: dict[str, Any]) -> tuple[list[TensorSource], dict[str, Any]]:
-        tensors = dict(walk_tensors(entries))
-        if not tensors:
+        names = _tensor_names(entries)
+        if not names:
             return [], entries
-        source = ByteRangeSource(structure.locate(tensors))
-        return [source], _with_refs(entries, source)
+        source = ByteRangeSource(structure.locate({name: tensor for tensor, name in names.values()}))
+        return [source], map_tensors(entries, lambda _, tensor: TensorRef(source, names[id(tensor)][1]))
 
     return _split_entries(content, module_key, detected.path, locate_source, lazy_entries)
 
@@ -304,20 +339,39 @@ def _split_entries(
         source = make_source(module_entry)
         return OpenedCheckpoint(source, entries, raw=False, top_level_keys=keys, extra_sources=extra_sources)
     if content and not any(isinstance(value, torch.Tensor) for value in content.values()):
-        shown = ", ".join(repr(key) for key in keys[:10])
-        raise CheckpointLoadError(
-            f"The checkpoint {str(path)!r} has no entry {module_key!r} for the model, and it is not a raw module state"
-            f" dict either. Its entries are {shown}: pass the model under the key it was saved with, e.g."
-            " `fabric.load(path, {'model': model})`."
-        )
+        raise CheckpointLoadError(_no_module_entry_message(content, module_key, path))
     return OpenedCheckpoint(make_source(content), top_level_keys=keys)
+
+
+def _no_module_entry_message(content: Mapping[Any, Any], module_key: str | None, path: Path) -> str:
+    """The refusal of a checkpoint without ``module_key``, naming the calls that load this file's module state."""
+    shown = _shown_entries(content)
+    states = _module_state_entries(content)
+    refusal = (
+        f"The checkpoint {str(path)!r} has no entry {module_key!r} for the model, and it is not a raw module state"
+        f" dict either. Its entries are {shown}"
+    )
+    if not states:
+        return (
+            f"{refusal}, and none of them holds a module state (a dict of tensors): it holds no model weights to load."
+            " Check the path."
+        )
+    calls = [f"`fabric.load(path, {{{key!r}: model}})`" for key in states[:5]]
+    if len(states) == 1:
+        if states[0] in _MODULE_ENTRIES:  # what `load_raw` picks by itself
+            calls.insert(0, "`fabric.load_raw(path, model)`")
+        return f"{refusal}; the model's weights are under {states[0]!r}. Load them with {' or '.join(calls)}."
+    return (
+        f"{refusal}, and {len(states)} of them hold a module state ({', '.join(map(repr, states[:5]))}). Name the one"
+        f" to load as the key of the model: {' or '.join(calls)}."
+    )
 
 
 def _module_entry(content: Mapping[Any, Any], path: Path) -> str:
     """The one entry of a checkpoint that holds a module state (``model`` of Fabric, ``state_dict`` of Lightning)."""
-    states = [str(key) for key, value in content.items() if _looks_like_module_state(value)]
+    states = _module_state_entries(content)
     known = [key for key in _MODULE_ENTRIES if key in states]
-    shown = ", ".join(repr(str(key)) for key in list(content)[:10]) + (", ..." if len(content) > 10 else "")
+    shown = _shown_entries(content)
     if len(known) == 1 and len(states) == 1:
         return known[0]
     if not states:
@@ -335,6 +389,14 @@ def _module_entry(content: Mapping[Any, Any], path: Path) -> str:
     )
 
 
+def _module_state_entries(content: Mapping[Any, Any]) -> list[str]:
+    return [str(key) for key, value in content.items() if _looks_like_module_state(value)]
+
+
+def _shown_entries(content: Mapping[Any, Any]) -> str:
+    return ", ".join(repr(str(key)) for key in list(content)[:10]) + (", ..." if len(content) > 10 else "")
+
+
 def _looks_like_module_state(value: Any) -> bool:
     return isinstance(value, Mapping) and any(isinstance(item, torch.Tensor) for item in value.values())
 
@@ -347,24 +409,33 @@ def _read_structure(
     return read_legacy_structure(path, weights_only)
 
 
-def _with_refs(obj: Any, source: TensorSource, prefix: str = "") -> Any:
-    """``obj`` with each tensor replaced by a reference into ``source``, named as :func:`walk_tensors` names it."""
-    if isinstance(obj, torch.Tensor):
-        return TensorRef(source, prefix)
-    if isinstance(obj, Mapping):
-        return {key: _with_refs(value, source, f"{prefix}.{key}" if prefix else str(key)) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_with_refs(value, source, f"{prefix}.{i}" if prefix else str(i)) for i, value in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
+def _tensor_names(obj: Any) -> dict[int, tuple[torch.Tensor, str]]:
+    """A name for each distinct tensor in ``obj`` (by identity): its dotted path, made unique where paths collide."""
+    names: dict[int, tuple[torch.Tensor, str]] = {}
+    taken: set[str] = set()
+    suffixes = itertools.count(1)
+
+    def name(path: str, tensor: torch.Tensor) -> torch.Tensor:
+        # `{"a.b": x, "a": {"b": y}}` gives both the path "a.b": each must still be read as itself.
+        unique = path
+        while unique in taken:
+            unique = f"{path}#{next(suffixes)}"
+        taken.add(unique)
+        names[id(tensor)] = (tensor, unique)
+        return tensor
+
+    map_tensors(obj, name)
+    return names
 
 
-def _open_index(path: Path, weights_only: bool, verify_crc: bool) -> TensorSource:
-    weight_map = read_index(path)
+def _open_index(detected: DetectedCheckpoint, weights_only: bool, verify_crc: bool) -> TensorSource:
+    path = detected.path
+    weight_map = detected.weight_map if detected.weight_map is not None else read_index(path)
     locations: dict[str, TensorLocation] = {}
     whole: dict[str, torch.Tensor] = {}
-    file_of: dict[str, Path] = {}
-    for file in sorted(set(weight_map.values())):
+    shard_of: dict[str, str] = {}
+    for shard in sorted(set(weight_map.values())):
+        file = path.parent / shard
         file_format = _sniff_file(file)
         if file_format is CheckpointFormat.SAFETENSORS:
             found: Mapping[str, Any] = read_safetensors_locations(file)
@@ -381,15 +452,14 @@ def _open_index(path: Path, weights_only: bool, verify_crc: bool) -> TensorSourc
         else:
             raise CheckpointLoadError(f"The shard {str(file)!r} of index {str(path)!r} is not a weights file.")
         for name in found:
-            if name in file_of:
+            if name in shard_of:
                 raise CheckpointLoadError(f"The tensor {name!r} is in two shards of the index {str(path)!r}.")
-            file_of[name] = file
-    absent = [name for name, file in weight_map.items() if file_of.get(name) != file]
+            shard_of[name] = shard
+    absent = [name for name, shard in weight_map.items() if shard_of.get(name) != shard]
     if absent:
         raise CheckpointLoadError(
             f"The checkpoint index names {len(absent)} tensor(s) that are not in the shard it points to:"
-            f" {', '.join(repr(n) for n in absent[:5])}{', ...' if len(absent) > 5 else ''}. The index and its shards"
-            " do not belong together; re-download the checkpoint."
+            f" {quoted_names(absent)}. The index and its shards do not belong together; re-download the checkpoint."
         )
     if not whole:
         return ByteRangeSource(locations)

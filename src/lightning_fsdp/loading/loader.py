@@ -18,7 +18,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.conversions import with_declared_conversions
+from lightning_fsdp.loading.errors import CheckpointLoadError, unexpected_cause
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.materialize import init_record
@@ -35,7 +36,7 @@ from lightning_fsdp.loading.shard_local import (
     join,
 )
 from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint, read_checked_metadata
-from lightning_fsdp.loading.sources import materialize
+from lightning_fsdp.loading.sources import TensorSource, materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
 from lightning_fsdp.loading.validation import NamePlan, Rename, TargetSpec, _names, check_whole_module, plan_load
@@ -76,6 +77,10 @@ class LoadOptions:
     """Ranks per node that may hold a source read whole at once (see :class:`~.turns.StaggeredLoad`)."""
     progress: bool | None = None
     """``None`` shows a bar on a terminal, ``True`` always, ``False`` never."""
+    namespace: str | None = None
+    """Where this load's agreements meet in the process group's store: the same on every rank and new for every load
+    (rank 0 makes it, and it travels with the path broadcast: see ``loading_calls.broadcast_load_path``). Required with
+    several ranks."""
 
 
 @dataclass
@@ -95,6 +100,8 @@ class LoadResult:
 @dataclass
 class _Prepared:
     plan: NamePlan
+    source: TensorSource
+    """The checkpoint's tensors, with the model's declared conversions applied (see :mod:`.conversions`)."""
     optimizer_states: dict[str, dict]
     fallback_optimizers: set[str]
     written: frozenset[str] = frozenset()
@@ -116,11 +123,7 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
     a time, and each validates it in its own turn.
 
     """
-    collected = _module_targets(request.module)
-    total_bytes, total_tensors = _local_totals(collected)
-    bar = LoadProgress(
-        total_bytes, total_tensors, local_rank=ranks.local_rank, node_rank=ranks.node_rank, enabled=options.progress
-    )
+    bar = LoadProgress(local_rank=ranks.local_rank, node_rank=ranks.node_rank, enabled=options.progress)
     stagger = StaggeredLoad(
         options.concurrency,
         node_rank=ranks.node_rank,
@@ -128,14 +131,19 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
         local_world_size=ranks.local_world_size,
         progress=bar,
         description=f"Loading {str(path)!r}",
+        namespace=options.namespace,
     )
     with bar, stagger, _one_error_type():
+        # Everything runs inside the agreement, the first step too: a rank that fails anywhere tells the others, which
+        # raise at once instead of waiting for it. The path first, the model second, as upstream checks them.
+        detected = detect_checkpoint(path)
+        collected = _module_targets(request.module)
+        bar.set_totals(*_local_totals(collected))
         # FSDP's path runs collectives and the shard-local one does not: one rank that cannot serve its part
         # shard-locally takes every rank with it, or the others would wait for it until the process group timed out.
         if stagger.any_rank(collected is None) and collected is not None:
             _warn_fallback("another rank cannot load its part of the model shard-locally")
             collected = None
-        detected = detect_checkpoint(path)
         if detected.format is CheckpointFormat.FABRIC_SHARDED:
             result = _load_sharded(path, request, stagger)
         elif collected is not None and detected.reads_whole(request.weights_only):
@@ -152,13 +160,14 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
 
 @contextmanager
 def _one_error_type() -> Iterator[None]:
-    """Every failure of a load is a :class:`CheckpointLoadError` with a short message; the cause stays chained."""
+    """Every failure of a load is a :class:`CheckpointLoadError` with a short message; the error is its ``cause``."""
     try:
         yield
     except CheckpointLoadError:
         raise
     except Exception as error:
-        raise CheckpointLoadError(f"{type(error).__name__}: {first_line(error)}") from error
+        message = f"{type(error).__name__}: {first_line(error)}"
+        raise CheckpointLoadError(message, cause=error) from unexpected_cause(error)
 
 
 def _load_file(
@@ -175,7 +184,7 @@ def _load_file(
         if stagger is not None:
             stagger.agree_on_success()
         try:
-            _apply(request, opened, collected, prepared, ranks.world_size, bar)
+            _apply(request, collected, prepared, ranks.world_size, bar)
             opened.check_unchanged()
         except Exception as error:
             what = (
@@ -183,11 +192,13 @@ def _load_file(
                 if request.optimizers
                 else "The model on the failing rank is"
             )
-            raise CheckpointLoadError(
+            failure = CheckpointLoadError(
                 f"Writing the checkpoint into the model failed after it was validated: {error} {what} now partially"
                 " loaded, and the other ranks may have loaded fully, so the ranks differ: load the checkpoint again"
-                " before using the model."
-            ) from error
+                " before using the model.",
+                cause=error,
+            )
+            raise failure from unexpected_cause(error)
         requested = {key: opened.entries[key] for key in request.metadata_keys if key in opened.entries}
         remainder = {
             key: value
@@ -195,9 +206,9 @@ def _load_file(
             if key not in request.metadata_keys and key not in request.optimizers
         }
         # Whatever the caller keeps must outlive the source, which is closed (and, in a turn, freed) right after.
-        return LoadResult(
-            materialize(requested), materialize(remainder), prepared.plan.skipped_summary(), prepared.written
-        )
+        # One copy of both keeps an object that they share shared, as `torch.load` returns it.
+        requested, remainder = materialize((requested, remainder))
+        return LoadResult(requested, remainder, prepared.plan.skipped_summary(), prepared.written)
     finally:
         opened.close()
 
@@ -249,9 +260,8 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
     _check_requested_keys(request, opened)
     check_whole_module(request.module)
     targets = collected.specs() if collected is not None else _unsharded_specs(request.module)
-    plan = plan_load(
-        targets, opened.source.specs(), strict=request.strict, rename=request.rename, ties=_ties(request.module)
-    )
+    source = with_declared_conversions(request.module, opened.source, targets)
+    plan = plan_load(targets, source.specs(), strict=request.strict, rename=request.rename, ties=_ties(request.module))
     optimizer_states: dict[str, dict] = {}
     fallback: set[str] = set()
     for key, optimizer in request.optimizers.items():
@@ -267,21 +277,20 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
         optimizer_states[key] = materialize(saved)
         fallback.add(key)
     written = frozenset(name for target in targets if target.names[0] in plan.sources for name in target.names)
-    return _Prepared(plan, optimizer_states, fallback, written)
+    return _Prepared(plan, source, optimizer_states, fallback, written)
 
 
 def _apply(
     request: LoadRequest,
-    opened: OpenedCheckpoint,
     collected: ModuleTargets | None,
     prepared: _Prepared,
     world_size: int,
     bar: LoadProgress,
 ) -> None:
     if collected is not None:
-        copy_into_module(collected, prepared.plan, opened.source, on_tensor=bar.update)
+        copy_into_module(collected, prepared.plan, prepared.source, on_tensor=bar.update)
     else:
-        state_dict = {target: opened.source.read(name) for target, name in prepared.plan.sources.items()}
+        state_dict = {target: prepared.source.read(name) for target, name in prepared.plan.sources.items()}
         _load_with_fsdp_state_dict(request.module, state_dict, world_size)
     for key, state in prepared.optimizer_states.items():
         optimizer = request.optimizers[key]

@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from lightning_fsdp.loading.fsdp2_layout import ambiguous_strided_dim, local_indices
 from lightning_fsdp.loading.shard_local import clean_name, join
 
-_RECORD_ATTRIBUTE = "_lightning_fsdp_init_record"
+_RECORD_ATTRIBUTE = "_meta_init_record"
 
 
 @dataclass
@@ -83,11 +83,6 @@ def shared_tensor_names(module: Module) -> dict[str, tuple[str, ...]]:
         for name in unique if len(unique) > 1 else ():
             ties[name] = tuple(other for other in unique if other != name)
     return ties
-
-
-def has_meta_tensors(module: Module) -> bool:
-    """Whether a parameter or buffer of ``module`` is on the meta device."""
-    return any(tensor.is_meta for _, tensor in _named_tensors(module))
 
 
 @dataclass

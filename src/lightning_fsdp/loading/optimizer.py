@@ -3,6 +3,8 @@
 A full optimizer state, as ``FSDP.optim_state_dict`` writes it into a Fabric full checkpoint, keys each state by the
 parameter's name and holds per-parameter tensors (Adam's ``exp_avg``, SGD's ``momentum_buffer``) at the parameter's
 full shape. Each rank slices them exactly like the parameter, so the full optimizer state is never held on a rank.
+Everything else is restored as the optimizer holds it: scalar states (Adam's ``step``) and tensor hyperparameters of
+the parameter groups (``lr=torch.tensor(0.01)``) as tensors, never as the loader's lazy references.
 
 Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level helpers).
 """
@@ -52,13 +54,34 @@ def local_optimizer_state(optimizer: Optimizer, collected: ModuleTargets, full_s
             optimizer_param = collected.optimizer_params.get(id(param))
             if optimizer_param is None:
                 raise ShardLocalUnsupported("the optimizer holds a parameter that is not part of the model")
-            param_state = _param_state(state, optimizer_param)
+            param_state = _param_state(state, optimizer_param) if optimizer_param.has_state else {}
             if param_state:
                 local_state[index] = param_state
             indices.append(index)
             index += 1
-        local_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
+        local_groups.append({**_hyperparameters(saved_group, group), "params": indices})
     return {"state": local_state, "param_groups": local_groups}
+
+
+def _hyperparameters(saved_group: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved parameter group's settings, read: a tensor (``lr``) on the device of the optimizer's own, else the CPU.
+
+    ``Optimizer.load_state_dict`` moves the per-parameter state to its parameter's device but takes the groups' values
+    as they are, so a tensor setting must arrive read and placed: the lazy reference would fail the first ``step()``.
+
+    """
+    return {
+        key: _placed_like(materialize(value), group.get(key)) for key, value in saved_group.items() if key != "params"
+    }
+
+
+def _placed_like(value: Any, current: Any) -> Any:
+    """``value`` with each tensor on the device of the tensor at the same place in ``current`` (betas, a tuple)."""
+    if isinstance(value, Tensor) and isinstance(current, Tensor):
+        return value.to(current.device)
+    if isinstance(value, (list, tuple)) and isinstance(current, (list, tuple)) and len(value) == len(current):
+        return type(value)(_placed_like(item, now) for item, now in zip(value, current, strict=True))
+    return value
 
 
 def _param_state(state: Mapping[str, Any], param: OptimizerParam) -> dict[str, Any]:

@@ -62,7 +62,8 @@ class LoadProgress:
     draws it even when the output is not a terminal (a log file). Nothing is written when it is not drawn.
 
     Args:
-        total_bytes: The bytes this rank will load, if known (the node's total is the sum over its ranks).
+        total_bytes: The bytes this rank will load, if known (the node's total is the sum over its ranks); totals
+            found later are given to :meth:`set_totals`.
         total_tensors: The tensors this rank will load, if known.
         local_rank: The rank of this process within its node; only ``0`` draws.
         node_rank: The rank of the node, shown in the bar's description when given (useful with several nodes).
@@ -93,6 +94,7 @@ class LoadProgress:
         self._file = sys.stderr if file is None else file
         self._shown = _progress_shown(enabled, local_rank, self._file)
         self._description = description if node_rank is None else f"{description} [node {node_rank}]"
+        self._totals_known = total_bytes is not None or total_tensors is not None
         self._total_bytes = total_bytes or 0
         self._total_tensors = total_tensors or 0
         self._bytes_done = 0
@@ -120,6 +122,14 @@ class LoadProgress:
         self._pending_bytes += bytes_done
         self._pending_tensors += tensors_done
         self.refresh()
+
+    def set_totals(self, total_bytes: int, total_tensors: int) -> None:
+        """Set this rank's totals, once, if they were not given at construction; they join the node's totals."""
+        self._totals_known = True
+        self._total_bytes, self._total_tensors = total_bytes, total_tensors
+        if self._channel is not None:
+            self._channel.add_totals(total_bytes, total_tensors)
+        self.refresh(force=True)
 
     def set_turn(self, index: int, count: int) -> None:
         """Show ``turn index+1/count`` (``index`` is 0-based), unless the node's turn comes from the schedule."""
@@ -158,9 +168,15 @@ class LoadProgress:
         self.close()
 
     def attach(self, channel: NodeChannel) -> None:
-        """Report to, and draw from, the totals of the node that ``channel`` keeps (the turn schedule calls this)."""
+        """Report to, and draw from, the totals of the node that ``channel`` keeps (the turn schedule calls this).
+
+        The node's totals are shown once every rank of the node has added its own: at once if they were given at
+        construction, otherwise with :meth:`set_totals`.
+
+        """
         self._channel = channel
-        channel.add_totals(self._total_bytes, self._total_tensors)
+        if self._totals_known:
+            channel.add_totals(self._total_bytes, self._total_tensors)
         self.refresh(force=True)
 
     def _draw(self) -> None:

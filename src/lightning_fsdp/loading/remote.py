@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, first_line
 
 #: The size of the chunks a large range is fetched in, concurrently: large enough that a request's latency is small
 #: against its transfer, small enough that a rank's chunks spread over the pool.
@@ -217,7 +217,7 @@ class RemotePath:
                 " provider's config files, or `storage_options`) and the object's permissions"
             )
         else:
-            reason = f"{type(error).__name__}: {_first_line(error)}. Check the URL, the endpoint and the network"
+            reason = f"{type(error).__name__}: {first_line(error)}. Check the URL, the endpoint and the network"
         return CheckpointLoadError(self.redact(f"The object {str(self)!r} {happened}: {reason}."))
 
     def redact(self, message: str) -> str:
@@ -243,10 +243,10 @@ def remote_path(url: str, storage_options: Mapping[str, Any] | None = None) -> R
         fs, fs_path = url_to_fs(url, **dict(storage_options or {}))
     except ImportError as error:
         raise CheckpointLoadError(
-            f"Reading {protocol}:// checkpoints needs a package that is not installed: {_first_line(error)}"
+            f"Reading {protocol}:// checkpoints needs a package that is not installed: {first_line(error)}"
         ) from None
     except ValueError as error:
-        raise CheckpointLoadError(f"fsspec cannot open the URL {url!r}: {_first_line(error)}") from None
+        raise CheckpointLoadError(f"fsspec cannot open the URL {url!r}: {first_line(error)}") from None
     return RemotePath(fs, fs_path, protocol, tuple(_secrets(storage_options or {})))
 
 
@@ -428,8 +428,3 @@ def _secrets(options: Mapping[str, Any]) -> Iterator[str]:
             yield value
         elif isinstance(value, Mapping):
             yield from _secrets(value)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:500] if text else type(error).__name__

@@ -15,14 +15,15 @@ from typing import Any
 
 import torch
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, first_line
 from lightning_fsdp.loading.files import close_file, open_file, read_exactly, require_regular_file
-from lightning_fsdp.loading.sources import TensorLocation, TensorSpec
+from lightning_fsdp.loading.sources import MAX_TENSORS, TensorLocation, TensorSpec
 
-#: The safetensors library refuses larger headers; so does this reader.
-_MAX_HEADER_BYTES = 100_000_000
+#: The safetensors library refuses larger headers (its ``MAX_HEADER_SIZE``); so does this reader.
+MAX_HEADER_BYTES = 100_000_000
 _HEADER_SIZE_BYTES = 8
 _METADATA_KEY = "__metadata__"
+_ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 
 _DTYPES = {
     "F64": torch.float64,
@@ -58,16 +59,35 @@ def read_safetensors_locations(path: Path) -> dict[str, TensorLocation]:
         size_bytes = bytearray(_HEADER_SIZE_BYTES)
         read_exactly(file, 0, memoryview(size_bytes), path, "the header size")
         header_size = int.from_bytes(size_bytes, "little")
-        if header_size > _MAX_HEADER_BYTES or _HEADER_SIZE_BYTES + header_size > file_size:
-            raise _invalid(path, f"its header size ({header_size} bytes) exceeds the file or the limit")
+        if header_size > MAX_HEADER_BYTES:
+            raise _invalid(
+                path,
+                f"its header is {header_size} bytes, more than the limit of {MAX_HEADER_BYTES} (the safetensors"
+                " library's)",
+            )
+        if _HEADER_SIZE_BYTES + header_size > file_size:
+            raise _invalid(path, f"its header size ({header_size} bytes) exceeds the file ({file_size} bytes)")
         header_bytes = bytearray(header_size)
         read_exactly(file, _HEADER_SIZE_BYTES, memoryview(header_bytes), path, "the header")
     finally:
         close_file(file)
+    # Every entry has one "data_offsets" key: counting them costs a scan of the bytes, checking them one by one far
+    # more. A name that spells the key can only make the count larger, never hide an entry.
+    tensors = header_bytes.count(b'"data_offsets"')
+    if tensors > MAX_TENSORS:
+        raise _invalid(
+            path,
+            f"its header describes {tensors} tensors, more than lightning-fsdp's limit of {MAX_TENSORS} (the largest"
+            " models have a few hundred thousand in all)",
+        )
     try:
-        header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
+        header = json.loads(header_bytes)
+        if isinstance(header, dict) and len(header) - (_METADATA_KEY in header) != tensors:
+            # JSON keeps the last of a repeated name; only then (or for a name that spells the key) look for one.
+            json.loads(header_bytes, object_pairs_hook=_refuse_duplicates)
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise _invalid(path, f"its header is not valid JSON ({error})") from None
+        raise _invalid(path, f"its header is not valid JSON ({first_line(error)})") from None
+    del header_bytes
     if not isinstance(header, dict):
         raise _invalid(path, "its header is not a JSON object")
     metadata = header.pop(_METADATA_KEY, {})
@@ -89,15 +109,16 @@ def read_safetensors_locations(path: Path) -> dict[str, TensorLocation]:
 
 
 def _entry(path: Path, name: str, value: Any) -> tuple[str, int, int, TensorSpec]:
-    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data_offsets"}:
+    # Run for every tensor of every file: checks by `type` and C-level scans, the same rules as the library's.
+    if type(value) is not dict or value.keys() != _ENTRY_KEYS:
         raise _invalid(path, f"the entry of {name!r} is not {{dtype, shape, data_offsets}}")
-    dtype = _DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
+    dtype = _DTYPES.get(value["dtype"]) if type(value["dtype"]) is str else None
     if dtype is None:
         raise _invalid(path, f"the tensor {name!r} has dtype {value['dtype']!r}, which lightning-fsdp does not read")
     shape, offsets = value["shape"], value["data_offsets"]
-    if not isinstance(shape, list) or not all(_is_count(size) for size in shape):
+    if type(shape) is not list or not _all_counts(shape):
         raise _invalid(path, f"the tensor {name!r} has an invalid shape {shape!r}")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(offset) for offset in offsets):
+    if type(offsets) is not list or len(offsets) != 2 or not _all_counts(offsets):
         raise _invalid(path, f"the tensor {name!r} has invalid data offsets {offsets!r}")
     begin, end = offsets
     spec = TensorSpec(tuple(shape), dtype)
@@ -110,16 +131,19 @@ def _entry(path: Path, name: str, value: Any) -> tuple[str, int, int, TensorSpec
     return name, begin, end, spec
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def _all_counts(values: list[Any]) -> bool:
+    """Whether every value is a non-negative integer (not a bool, not a float)."""
+    return set(map(type, values)) <= {int} and min(values, default=0) >= 0
 
 
 def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"the name {key!r} appears twice")
-        result[key] = value
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the name {key!r} appears twice")
+            seen.add(key)
     return result
 
 

@@ -79,6 +79,9 @@ class OptimizerParam:
     """The targets the parameter holds, each with runs from its checkpoint tensor into the flat buffer."""
     to_state: Callable[[Tensor], Tensor]
     """Turns the filled flat buffer into the state tensor (a view of the parameter's shape, or a ``DTensor``)."""
+    has_state: bool = True
+    """``False`` for an original FSDP1 parameter with no element on this rank: it never gets a gradient there, so the
+    optimizer keeps no state for it on this rank (as after ``FSDP.optim_state_dict_to_load``)."""
 
 
 @dataclass
@@ -235,7 +238,7 @@ def _orig_param(param: Tensor, target: Target) -> OptimizerParam:
         # where FSDP does not shard) it keeps its shape. The state takes the shape of the parameter it belongs to.
         return flat.view(shape) if flat.numel() == math.prod(shape) else flat
 
-    return OptimizerParam(numel, [(target, runs)], to_state)
+    return OptimizerParam(numel, [(target, runs)], to_state, has_state=bool(runs))
 
 
 def _same(flat: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""Load a sharded checkpoint directory (torch distributed checkpoint) into an FSDP module and its optimizers.
+"""Load a sharded checkpoint directory (torch distributed checkpoint) into an FSDP1 or FSDP2 module and its optimizers.
 
 Each rank reads only its own shards through torch's distributed checkpoint (DCP) reader, with four guards that
 upstream lacks:
@@ -15,9 +15,11 @@ upstream lacks:
 - A failure inside DCP (a ``CheckpointException``, which is a ``BaseException`` with every rank's traceback in its
   message) is raised as one short :class:`CheckpointLoadError`, with the ranks that failed.
 
-Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the sharded branch of ``load_checkpoint``).
+Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the sharded branch of ``load_checkpoint``, which
+``model_parallel.py`` imports from already).
 """
 
+import functools
 import io
 import math
 import os
@@ -28,7 +30,7 @@ import stat
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -50,10 +52,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, printable, unexpected_cause
 from lightning_fsdp.loading.files import require_regular_file
 from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
+from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
+from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 
 _T = TypeVar("_T")
@@ -212,7 +216,10 @@ def load_sharded_checkpoint(
 ) -> str:
     """Restore ``module`` and ``optimizers`` from the shards in ``path`` (after :func:`check_sharded_request`).
 
-    ``dcp_metadata``, when given, is what :func:`read_checked_metadata` returned for ``path``: it is not read again.
+    ``module`` is an FSDP1 module (its sharded state dict holds ``ShardedTensor`` objects) or a module of ``DTensor``
+    parameters (FSDP2, tensor parallelism); only how the model's and the optimizers' state dicts are taken and given
+    back differs. ``dcp_metadata``, when given, is what :func:`read_checked_metadata` returned for ``path``: it is not
+    read again.
 
     Every rank must call it (it runs collectives). The entries are checked against the model and the optimizers,
     then everything is read, then written: when it raises, the model and the optimizers are unchanged.
@@ -226,39 +233,152 @@ def load_sharded_checkpoint(
 
     """
     import torch.distributed.checkpoint as dcp
-    from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     metadata = dcp_metadata if dcp_metadata is not None else read_checked_metadata(path, weights_only)
     reader = CheckedFileSystemReader(path, metadata, weights_only=weights_only)
-    with torch_internal_warnings_silenced(), _get_sharded_state_dict_context(module):
-        module_state = {module_key: module.state_dict()}
+    dtensors = has_dtensor_params(module)
+    with torch_internal_warnings_silenced(), _sharded_state_dict_context(module, dtensors):
+        module_state = {module_key: _model_state_to_read_into(module, dtensors)}
         skipped = _check_against_model(metadata, module_key, module_state[module_key], list(optimizers), strict)
-        flattened = {}
-        for key, optimizer in optimizers.items():
-            optimizer_state = _dcp_call(
-                f"Reading the optimizer state {key!r} from {str(path)!r}",
-                lambda key=key: load_sharded_optimizer_state_dict(
-                    model_state_dict=module_state[module_key], optimizer_key=key, storage_reader=reader
-                ),
-            )
-            flattened[key] = _dcp_call(
-                f"Matching the optimizer state {key!r} of {str(path)!r} to the optimizer",
-                lambda key=key, optimizer=optimizer, state=optimizer_state: FSDP.optim_state_dict_to_load(
-                    model=module, optim=optimizer, optim_state_dict=state[key]
-                ),
-            )
+        read_optimizer_state = _read_dtensor_optimizer_state if dtensors else _read_flat_optimizer_state
+        write_optimizers = [
+            read_optimizer_state(path, module, module_state[module_key], key, optimizer, reader, strict)
+            for key, optimizer in optimizers.items()
+        ]
         planner = DefaultLoadPlanner(allow_partial_load=not strict)
         _dcp_call(
             f"Reading the model from {str(path)!r}",
             lambda: dcp.load(module_state, storage_reader=reader, planner=planner),
         )
         module.load_state_dict(module_state[module_key], strict=strict)
-        for key, optimizer in optimizers.items():
-            optimizer.load_state_dict(flattened[key])
+        for write_optimizer in write_optimizers:
+            write_optimizer()
     return skipped
+
+
+def _sharded_state_dict_context(module: Module, dtensors: bool) -> AbstractContextManager:
+    """FSDP1 gives its sharded state dict inside this context; a module of ``DTensor`` parameters always does."""
+    if dtensors:
+        return nullcontext()
+    from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
+
+    return _get_sharded_state_dict_context(module)
+
+
+def _model_state_to_read_into(module: Module, dtensors: bool) -> dict[str, Any]:
+    """The model's sharded state dict, holding tensors that the reader may fill before anything is written.
+
+    FSDP1's sharded state dict holds copies of the local shards already; a module's own state dict holds its
+    ``DTensor`` parameters themselves, which the reader would write one by one: those are replaced by copies.
+
+    """
+    state = module.state_dict()
+    if dtensors:
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[name] = value.clone()
+    return state
+
+
+def _read_flat_optimizer_state(
+    path: Path,
+    module: Module,
+    model_state: Mapping[str, Any],
+    key: str,
+    optimizer: Optimizer,
+    reader: "CheckedFileSystemReader",
+    strict: bool,
+) -> Callable[[], None]:
+    """Read an FSDP1 optimizer's state (keyed by parameter names) and flatten it; return the call that loads it."""
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    optimizer_state = _dcp_call(
+        f"Reading the optimizer state {key!r} from {str(path)!r}",
+        lambda: load_sharded_optimizer_state_dict(
+            model_state_dict=model_state, optimizer_key=key, storage_reader=reader
+        ),
+    )
+    flattened = _dcp_call(
+        f"Matching the optimizer state {key!r} of {str(path)!r} to the optimizer",
+        lambda: FSDP.optim_state_dict_to_load(model=module, optim=optimizer, optim_state_dict=optimizer_state[key]),
+    )
+    # What `optimizer.load_state_dict` would refuse only after the model was written.
+    sizes = [len(group["params"]) for group in flattened["param_groups"]]
+    expected_sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if sizes != expected_sizes:
+        raise _other_parameters(path, key, _group_sizes(sizes, expected_sizes))
+    return functools.partial(optimizer.load_state_dict, flattened)
+
+
+def _read_dtensor_optimizer_state(
+    path: Path,
+    module: Module,
+    model_state: Mapping[str, Any],
+    key: str,
+    optimizer: Optimizer,
+    reader: "CheckedFileSystemReader",
+    strict: bool,
+) -> Callable[[], None]:
+    """Read the state of an optimizer of ``DTensor`` parameters; return the call that loads it.
+
+    The state is read into a copy of what ``get_optimizer_state_dict`` gives (keyed by parameter names, with the
+    parameters' placements), which holds the optimizer's own tensors. Like upstream, that call first gives an
+    optimizer without state its initial state (a step with zero gradients and learning rate).
+
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    template = _dcp_call(
+        f"Taking the state of the optimizer {key!r}", lambda: get_optimizer_state_dict(module, optimizer)
+    )
+    expected_groups = [group["params"] for group in template["param_groups"]]
+    optimizer_state = {key: materialize(template)}
+    planner = DefaultLoadPlanner(allow_partial_load=not strict)
+    _dcp_call(
+        f"Reading the optimizer state {key!r} from {str(path)!r}",
+        lambda: dcp.load(optimizer_state, storage_reader=reader, planner=planner),
+    )
+    groups = [group.get("params") for group in optimizer_state[key]["param_groups"]]
+    if groups != expected_groups:
+        raise _other_parameters(path, key, _group_differences(groups, expected_groups))
+    return functools.partial(set_optimizer_state_dict, module, optimizer, optim_state_dict=optimizer_state[key])
+
+
+def _group_differences(saved: list[Any], expected: list[list[str]]) -> str:
+    """How the parameter names of an optimizer's saved groups differ from the optimizer's."""
+    saved_names = [name for group in saved if isinstance(group, list) for name in group]
+    sizes = [len(group) if isinstance(group, list) else 0 for group in saved]
+    differences = [_group_sizes(sizes, [len(group) for group in expected])]
+    known = {name for group in expected for name in group}
+    stored = {name for name in saved_names if isinstance(name, str)}
+    unknown = [name for name in saved_names if not isinstance(name, str) or name not in known]
+    if unknown:
+        differences.append(f"not in the optimizer: {_names(unknown)}")
+    absent = [name for group in expected for name in group if name not in stored]
+    if absent:
+        differences.append(f"not in the checkpoint: {_names(absent)}")
+    if not unknown and not absent:
+        differences.append("the same names, grouped or ordered differently")
+    return "; ".join(differences)
+
+
+def _group_sizes(saved: list[int], expected: list[int]) -> str:
+    return (
+        f"its parameter groups hold {sum(saved)} parameter(s) in {len(saved)} group(s), the optimizer's"
+        f" {sum(expected)} in {len(expected)}"
+    )
+
+
+def _other_parameters(path: Path, key: str, differences: str) -> CheckpointLoadError:
+    return CheckpointLoadError(
+        f"The optimizer state {key!r} of the sharded checkpoint {str(path)!r} belongs to other parameters:"
+        f" {differences}. Nothing was loaded. Pass the optimizer that was saved with this model, with the same"
+        " parameter groups."
+    )
 
 
 def read_sharded_metadata(path: Path, weights_only: bool) -> dict[str, Any]:
@@ -373,7 +493,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         allowed = _allowed_globals().get((module, name))
         if allowed is None:
-            raise _RefusedGlobal(f"{module}.{name}")
+            raise _RefusedGlobal(printable(f"{module}.{name}"))
         return allowed
 
 
@@ -629,11 +749,11 @@ def _dcp_call(what: str, call: Callable[[], _T]) -> _T:
             )
         else:
             detail = first_line(causes[0]) if causes else "no details"
-        raise CheckpointLoadError(
-            f"{what} failed on rank(s) {', '.join(map(str, ranks))}: {detail}", failed_ranks=ranks
-        ) from error
+        cause = own if own is not None else error
+        message = f"{what} failed on rank(s) {', '.join(map(str, ranks))}: {detail}"
+        raise CheckpointLoadError(message, ranks, cause) from unexpected_cause(cause)
     except Exception as error:
-        raise CheckpointLoadError(f"{what} failed: {first_line(error)}") from error
+        raise CheckpointLoadError(f"{what} failed: {first_line(error)}", cause=error) from unexpected_cause(error)
 
 
 def _unpickling_reason(error: BaseException) -> str:
@@ -642,7 +762,7 @@ def _unpickling_reason(error: BaseException) -> str:
     if _WEIGHTS_ONLY_REASON not in text:
         return first_line(error)
     reason = " ".join(text.split(_WEIGHTS_ONLY_REASON, 1)[1].split())
-    return reason.split(". ", 1)[0].split(" Check the documentation", 1)[0].rstrip(".")
+    return printable(reason.split(". ", 1)[0].split(" Check the documentation", 1)[0].rstrip("."))
 
 
 def _shape(shape: tuple[int, ...]) -> str:

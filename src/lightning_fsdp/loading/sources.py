@@ -14,7 +14,8 @@ import math
 import mmap
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,11 @@ from lightning_fsdp.loading.remote import RemoteFile, RemotePath
 
 #: Reads at least this large get an anonymous mapping of their own (see :meth:`ByteRangeSource.read_flat`).
 _OWN_MAPPING_BYTES = 2**20
+#: A safetensors file or a Hugging Face index naming more tensors is refused before its entries are checked one by one:
+#: the largest models have a few hundred thousand tensors in all, and each costs every rank time and memory to check.
+MAX_TENSORS = 500_000
+#: Containers nested deeper than this are refused (walks recurse; real checkpoints nest a handful of levels).
+MAX_NESTING = 100
 
 
 @dataclass(frozen=True)
@@ -326,30 +332,91 @@ class TensorRef:
 
 
 def materialize(obj: Any) -> Any:
-    """A copy of ``obj`` with every :class:`TensorRef` read and every tensor cloned (it outlives its source)."""
-    if isinstance(obj, TensorRef):
-        return obj.read().clone()
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, Mapping):
-        return {key: materialize(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [materialize(value) for value in obj]
-    if isinstance(obj, tuple):
-        return tuple(materialize(value) for value in obj)
-    return obj
+    """A copy of ``obj`` with every :class:`TensorRef` read and every tensor cloned (it outlives its source).
+
+    Objects that ``obj`` holds more than once are copied once and stay shared in the copy, as ``torch.load`` returns
+    them.
+
+    """
+    return map_tensors(obj, lambda _, tensor: (tensor.read() if isinstance(tensor, TensorRef) else tensor).clone())
 
 
-def walk_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Every tensor (or :class:`TensorRef`) in nested dicts, lists and tuples, with a dotted path to it."""
-    if isinstance(obj, (torch.Tensor, TensorRef)):
-        yield prefix, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from walk_tensors(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            yield from walk_tensors(value, f"{prefix}.{index}" if prefix else str(index))
+def map_tensors(obj: Any, replace: Callable[[str, Any], Any], each_place: bool = False) -> Any:
+    """``obj`` with each tensor (or :class:`TensorRef`) in its nested dicts, lists and tuples replaced.
+
+    ``replace(path, tensor)`` gets the dotted path to the first place the tensor is found
+    (``optimizer.state.w.exp_avg``). Every object is visited once, by identity, and one found again (a pickle shares
+    references) gets the same result, so the work is linear in the size of the file it was unpickled from, sharing
+    survives, and cycles end: a walk that followed every path would take time exponential in the depth of a chain of
+    shared references, which a few kilobytes of pickle can make as deep as it likes.
+
+    Args:
+        obj: The unpickled object.
+        replace: Called with the path and the tensor; returns what replaces it.
+        each_place: Call ``replace`` at every place a tensor is found through distinct containers (a tied weight
+            under both of its names), not once per tensor.
+
+    Raises:
+        CheckpointLoadError: If ``obj`` is nested deeper than any checkpoint needs.
+
+    """
+    done: dict[int, tuple[Any, Any]] = {}  # id -> (the object, kept alive so that its id stays its own; its result)
+
+    def visit(value: Any, path: str, depth: int) -> Any:
+        if id(value) in done:
+            return done[id(value)][1]
+        if isinstance(value, (torch.Tensor, TensorRef)):
+            if each_place:
+                return replace(path, value)
+            result = replace(path, value)
+        elif isinstance(value, (Mapping, list, tuple)):
+            if depth > MAX_NESTING:
+                raise CheckpointLoadError(
+                    f"The checkpoint holds containers nested more than {MAX_NESTING} levels deep (at {path!r}), which"
+                    " no checkpoint needs: it is corrupt or crafted. Save plain state dicts."
+                )
+            result = _rebuild(value, path, lambda item, item_path: visit(item, item_path, depth + 1), done)
+        else:
+            return value
+        done[id(value)] = (value, result)
+        return result
+
+    return visit(obj, "", 0)
+
+
+def _rebuild(value: Any, path: str, visit: Callable[[Any, str], Any], done: dict[int, tuple[Any, Any]]) -> Any:
+    """A dict, list or tuple with each item visited; dicts and lists are registered before their items (cycles)."""
+    if isinstance(value, tuple):
+        items = tuple(visit(item, _join(path, index)) for index, item in enumerate(value))
+        # A cycle through this tuple (via a list or dict inside it) built it already: keep that one.
+        return done[id(value)][1] if id(value) in done else items
+    # An `OrderedDict` stays one (`torch.load` returns it so, and optimizer code may rely on it); other mappings become
+    # plain dicts: constructing an arbitrary class here could run its code.
+    result: Any = (OrderedDict() if isinstance(value, OrderedDict) else {}) if isinstance(value, Mapping) else []
+    done[id(value)] = (value, result)
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            result[key] = visit(item, _join(path, key))
+    else:
+        result.extend(visit(item, _join(path, index)) for index, item in enumerate(value))
+    return result
+
+
+def walk_tensors(obj: Any) -> list[tuple[str, Any]]:
+    """Every tensor (or :class:`TensorRef`) in nested dicts, lists and tuples, with the dotted path to it.
+
+    A tensor held more than once is listed at each path by which it is reached through distinct containers (a tied
+    weight under both of its names); a container held more than once is walked once (see :func:`map_tensors`).
+
+    """
+    found: list[tuple[str, Any]] = []
+
+    def collect(path: str, tensor: Any) -> Any:
+        found.append((path, tensor))
+        return tensor
+
+    map_tensors(obj, collect, each_place=True)
+    return found
 
 
 def check_state_dict(state_dict: Mapping[Any, Any]) -> None:
@@ -369,6 +436,10 @@ def check_state_dict(state_dict: Mapping[Any, Any]) -> None:
             f" {shown}{', ...' if len(not_tensors) > 5 else ''}. A module state dict maps parameter and buffer"
             " names to tensors."
         )
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

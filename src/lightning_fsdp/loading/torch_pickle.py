@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointLoadError, first_line, quoted_names
 from lightning_fsdp.loading.files import close_file, open_file, require_regular_file
 from lightning_fsdp.loading.sources import TensorLocation, TensorSpec
 from lightning_fsdp.loading.zip_records import read_record, read_zip_records, verify_record_crc
@@ -89,7 +89,7 @@ def read_zip_structure(path: Path, weights_only: bool, verify_crc: bool = False)
         if len(pickles) != 1:
             raise CheckpointLoadError(
                 f"The file {str(path)!r} is a zip archive but not a `torch.save` checkpoint: it has"
-                f" {len(pickles)} `data.pkl` records where torch writes one. Its records: {_names(records)}."
+                f" {len(pickles)} `data.pkl` records where torch writes one. Its records: {quoted_names(records)}."
             )
         prefix = pickles[0].removesuffix("data.pkl")
         byteorder = records.get(f"{prefix}byteorder")
@@ -162,7 +162,9 @@ def unpickling_errors(path: Path, weights_only: bool) -> Iterator[None]:
                 " could run code when loaded (the payload was not run), or it is corrupt. If you trust the file and"
                 f" its author, load it with `weights_only=False`. Details: {first_line(error)}"
             ) from None
-        raise CheckpointLoadError(f"The file {str(path)!r} is not a readable `torch.save` file: {error}") from None
+        raise CheckpointLoadError(
+            f"The file {str(path)!r} is not a readable `torch.save` file: {first_line(error)}"
+        ) from None
     except Exception as error:  # a damaged pickle can raise nearly anything
         raise CheckpointLoadError(
             f"The file {str(path)!r} could not be read as a `torch.save` checkpoint: it looks truncated or corrupt"
@@ -170,16 +172,5 @@ def unpickling_errors(path: Path, weights_only: bool) -> Iterator[None]:
         ) from None
 
 
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message (or its type's name), for one-line error messages."""
-    text = str(error).strip()
-    return text.splitlines()[0][:500] if text else type(error).__name__
-
-
 def _ascii(value: Any) -> Any:
     return value.decode("ascii") if isinstance(value, bytes) else value
-
-
-def _names(records: Mapping[str, Any], shown: int = 5) -> str:
-    names = list(records)
-    return ", ".join(repr(name) for name in names[:shown]) + (", ..." if len(names) > shown else "")

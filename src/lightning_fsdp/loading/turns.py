@@ -25,6 +25,8 @@ from lightning_fsdp.loading.agreement import Agreement
 from lightning_fsdp.loading.memory import available_memory, return_freed_memory
 from lightning_fsdp.loading.progress import LoadProgress, NodeSnapshot
 
+#: The keys of a node's progress in the store, besides ``ranks`` (how many ranks have added their totals).
+_TOTALS_KEYS = ("bytes", "tensors", "total_bytes", "total_tensors", "fetched")
 #: The share of the memory available to the node that ``load_concurrency="auto"`` lets the copies of a source take.
 _AUTO_MEMORY_FRACTION = 0.8
 
@@ -127,10 +129,14 @@ class StaggeredLoad:
         local_world_size: The number of processes on each node.
         progress: A progress bar to feed with the node's totals and current turn, if any.
         description: What is being done, for error messages (``"Loading the checkpoint failed on rank 3: ..."``).
+        namespace: Where this load's keys live in the store: the same on every rank and new for every load (see
+            :class:`~lightning_fsdp.loading.agreement.Agreement`). Required with several ranks.
 
     Example::
 
-        with StaggeredLoad("auto", node_rank=node_rank, local_rank=local_rank, local_world_size=n) as load:
+        namespace = broadcast(new_namespace())  # rank 0's, on every rank
+        ranks = {"node_rank": node_rank, "local_rank": local_rank, "local_world_size": n}
+        with StaggeredLoad("auto", **ranks, namespace=namespace) as load:
             check_names_and_shapes(...)  # a failure here, on any rank, is raised on every rank
             with load.turn(source_bytes=path.stat().st_size):
                 copy_my_shards_from(path)  # reads the whole file, keeps only this rank's shards
@@ -147,6 +153,7 @@ class StaggeredLoad:
         local_world_size: int,
         progress: LoadProgress | None = None,
         description: str = "Loading the checkpoint",
+        namespace: str | None = None,
     ) -> None:
         self._concurrency = validate_concurrency(concurrency)
         if not 0 <= local_rank < local_world_size:
@@ -158,7 +165,7 @@ class StaggeredLoad:
         self._local_rank = local_rank
         self._local_world_size = local_world_size
         self._progress = progress
-        self._agreement = Agreement(description, on_wait=self._refresh_progress)
+        self._agreement = Agreement(description, namespace=namespace, on_wait=self._refresh_progress)
         self._channel: _StoreNodeChannel | None = None
         self._turns = 0
 
@@ -172,6 +179,7 @@ class StaggeredLoad:
         store = self._agreement.store
         if store is not None and self._progress is not None:
             self._channel = _StoreNodeChannel(store, self._node_rank, self._local_world_size)
+            self._agreement.discard_later(*self._channel.keys())
             self._progress.attach(self._channel)
         return self
 
@@ -206,6 +214,7 @@ class StaggeredLoad:
 
         agreement = self._agreement
         node = dist.PrefixStore(f"turn{self._turns}/node{self._node_rank}/", store)
+        agreement.discard_later(node, ["concurrency", "started", "done"])
         self._turns += 1
         started = False
         concurrency = self._local_world_size
@@ -296,13 +305,17 @@ class _StoreNodeChannel:
         self._concurrency = 1
         self._turn_count = 1
 
+    def keys(self) -> tuple[dist.Store, list[str]]:
+        """The store that holds the node's totals, and their keys."""
+        return self._store, [*_TOTALS_KEYS, "ranks"]
+
     def start_turn(self, turn_store: dist.Store, concurrency: int, count: int) -> None:
         self._turn_store, self._concurrency, self._turn_count = turn_store, concurrency, count
 
     def add_totals(self, total_bytes: int, total_tensors: int) -> None:
         # Every key exists once this rank's ``add`` ran, so ``exchange`` reads them all in one request.
-        amounts = {"bytes": 0, "tensors": 0, "total_bytes": total_bytes, "total_tensors": total_tensors, "ranks": 1}
-        amounts["fetched"] = 0
+        amounts = {"bytes": 0, "tensors": 0, "total_bytes": total_bytes, "total_tensors": total_tensors, "fetched": 0}
+        amounts["ranks"] = 1
         with suppress(RuntimeError):  # progress is best effort; the schedule reports a lost store
             for key, amount in amounts.items():
                 self._store.add(key, amount)
@@ -317,8 +330,8 @@ class _StoreNodeChannel:
                 self._store.add("tensors", tensors_done)
             if not read:
                 return None
-            keys = ["bytes", "tensors", "total_bytes", "total_tensors", "ranks", "fetched"]
-            done_bytes, done_tensors, total_bytes, total_tensors, ranks, node_fetched = map(
+            keys = [*_TOTALS_KEYS, "ranks"]
+            done_bytes, done_tensors, total_bytes, total_tensors, node_fetched, ranks = map(
                 int, self._store.multi_get(keys)
             )
             turn = None

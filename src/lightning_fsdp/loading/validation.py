@@ -4,6 +4,8 @@ Names may differ by a prefix that a wrapper added (``module.`` of DDP, ``_orig_m
 attribute of a ``LightningModule``) or by the model class (a ``LlamaForCausalLM`` checkpoint, ``model.*``, for a bare
 ``LlamaModel``). A ``rename`` maps the checkpoint's names to the model's; without one, a single prefix that makes
 every model tensor match is removed or added automatically, and the errors name the ``rename`` that fits the file.
+A name that the checkpoint holds exactly as the model names it always wins: a prefix that would load another tensor
+in its place, or move it away, is not applied.
 
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
@@ -44,6 +46,37 @@ class TargetSpec:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class DeclinedAlignment:
+    """A prefix rename that matches every model tensor but changes what the checkpoint's exact names feed."""
+
+    rename: dict[str, str]
+    conflicts: list[tuple[str, str, str]]
+    """(model name, the checkpoint tensor of that exact name, the one the rename would load instead)."""
+
+    def describe(self) -> str:
+        target, exact, other = self.conflicts[0]
+        more = f" (and {len(self.conflicts) - 1} more)" if len(self.conflicts) > 1 else ""
+        return (
+            f"once {_describe(self.rename)}, {other!r} would be loaded into {target!r}{more}, which the checkpoint"
+            f" holds by its exact name {exact!r} (an exact name always wins over the automatic alignment)"
+        )
+
+    def advice(self) -> str:
+        exact_names = [exact for _, exact, _ in self.conflicts]
+        leaving_out: dict[str, str | None] = {**self.rename, **dict.fromkeys(exact_names)}
+        prefer_renamed = (
+            f"`rename={leaving_out!r}` loads the renamed tensors and leaves out the exactly named ones"
+            if len(exact_names) <= _SHOWN
+            else f"`rename={self.rename!r}` with `strict=False` loads the renamed tensors"
+        )
+        return (
+            f"The names were not aligned automatically: {self.describe()}. The checkpoint holds two candidates for"
+            f" {'that tensor' if len(exact_names) == 1 else 'those tensors'}; say which to load: {prefer_renamed},"
+            f" and `strict=False` loads only the tensors whose names match exactly. {_RENAME_USAGE}"
+        )
+
+
 @dataclass
 class NamePlan:
     """Which checkpoint tensor feeds which model tensor, and what was left out."""
@@ -56,6 +89,8 @@ class NamePlan:
     casts: dict[str, tuple[torch.dtype, torch.dtype]] = field(default_factory=dict)
     aligned: dict[str, str] = field(default_factory=dict)
     """The prefix rename found automatically (``{"model.": ""}`` removes, ``{"": "model."}`` adds); empty if none."""
+    declined: DeclinedAlignment | None = None
+    """The prefix rename that would match every model tensor but was not applied: it changes exact matches."""
 
     def skipped_summary(self) -> str:
         parts = []
@@ -63,6 +98,8 @@ class NamePlan:
             parts.append(f"{len(self.missing)} missing key(s) left as they were ({_names(self.missing)})")
         if self.unexpected:
             parts.append(f"{len(self.unexpected)} unexpected key(s) ignored ({_names(self.unexpected)})")
+        if parts and self.declined is not None:
+            parts.append(f"names matched exactly, because {self.declined.describe()}")
         return "; ".join(parts)
 
 
@@ -105,7 +142,9 @@ def plan_load(
 
     The checkpoint's names are renamed first (see :func:`check_rename`); the plan still reads each tensor by its
     name in the file. Without a ``rename``, when the names differ and exactly one prefix, removed from or added to
-    every checkpoint name, makes every model tensor match, it is applied and said in one info line. Tied weights
+    every checkpoint name, makes every model tensor match without changing what a checkpoint tensor named exactly as
+    a model tensor feeds (an exact name always wins), it is applied and said in one info line; otherwise names match
+    exactly, with ``strict`` as without, and the error or the summary of what was skipped says why. Tied weights
     count as present when any of their names is in the checkpoint. Floating-point tensors of another dtype are cast
     (a bf16 file into an fp32 model); other dtype changes and shape mismatches are errors even with ``strict=False``,
     as in :meth:`torch.nn.Module.load_state_dict`. ``ties`` (model name -> the names the model ties it to) turns the
@@ -116,10 +155,12 @@ def plan_load(
     plan, shape_mismatches, dtype_mismatches = _match(targets, specs, _renamed(specs, rename or {}))
     ambiguous: list[dict[str, str]] = []
     if rename is None and plan.missing:
-        aligned, ambiguous = _alignment(targets, list(specs))
+        aligned, ambiguous, declined = _alignment(targets, list(specs))
         if aligned:
             plan, shape_mismatches, dtype_mismatches = _match(targets, specs, _renamed(specs, aligned))
             plan.aligned = aligned
+        elif not ambiguous:
+            plan.declined = declined
 
     problems = []
     if strict and plan.missing:
@@ -137,11 +178,21 @@ def plan_load(
     if not problems and not plan.sources and targets:
         problems.append(f"no checkpoint tensor matches a model tensor (checkpoint keys: {_names(list(specs))})")
     if problems:
-        fixes = _advice(targets, list(specs), rename, plan, ambiguous)
+        inner = None
+        if rename is None and not plan.aligned and plan.declined is None and not ambiguous:
+            inner = _inner_rename(targets, specs, len(targets) - len(plan.missing))
+        fixes = [inner.advice(len(targets))] if inner else _advice(targets, list(specs), rename, plan, ambiguous)
         untied = _untied_copies(targets, plan, ties or {}) if strict else {}
         if untied:
             fixes.append(_retie_advice(untied))
-        elif strict and plan.sources and not shape_mismatches and not dtype_mismatches:
+        elif (
+            strict
+            and plan.sources
+            and not shape_mismatches
+            and not dtype_mismatches
+            and plan.declined is None
+            and inner is None
+        ):
             fixes.append("To load only the tensors that match, pass `strict=False`.")
         raise CheckpointLoadError(
             "The checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
@@ -166,11 +217,10 @@ def _match(
     dtype_mismatches: list[str] = []
     for target in targets:
         expected_names.update(target.names)
-        present = next((name for name in target.names if name in originals), None)
-        if present is None:
+        source_name = _feeding(target, originals)
+        if source_name is None:
             plan.missing.append(target.names[0])
             continue
-        source_name = originals[present]
         spec = specs[source_name]
         if spec.shape != target.shape:
             shape_mismatches.append(f"{source_name!r}: checkpoint {_shape(spec.shape)}, model {_shape(target.shape)}")
@@ -279,16 +329,42 @@ def _prefix_in(flat_param: Any, relative: str) -> str | None:
     return prefixes.pop() if len(prefixes) == 1 else None
 
 
-def _alignment(targets: Sequence[TargetSpec], names: list[str]) -> tuple[dict[str, str], list[dict[str, str]]]:
-    """The one prefix rename that makes every model tensor match, and the candidates when several do."""
+def _alignment(
+    targets: Sequence[TargetSpec], names: list[str]
+) -> tuple[dict[str, str], list[dict[str, str]], DeclinedAlignment | None]:
+    """The one prefix rename that makes every model tensor match, and the candidates when several do.
+
+    A rename that changes which checkpoint tensor feeds a model tensor that the checkpoint holds by its exact name is
+    not a candidate: the first such one is returned as declined, for the messages.
+
+    """
     if not targets or not names:
-        return {}, []
+        return {}, [], None
+    exact = _fed_by(targets, {name: name for name in names})
     working = []
+    declined = None
     for candidate in _candidates(targets, names):
         renamed = _with_prefix(names, candidate)
-        if renamed is not None and _all_matched(targets, renamed):
+        if renamed is None or not _all_matched(targets, renamed):
+            continue
+        fed = _fed_by(targets, {_rename_one(name, candidate): name for name in names})
+        conflicts = [(target, name, fed[target]) for target, name in exact.items() if fed[target] != name]
+        if not conflicts:
             working.append(candidate)
-    return (working[0], []) if len(working) == 1 else ({}, working)
+        elif declined is None:
+            declined = DeclinedAlignment(candidate, conflicts)
+    return (working[0], [], None) if len(working) == 1 else ({}, working, declined)
+
+
+def _fed_by(targets: Sequence[TargetSpec], originals: Mapping[str, str]) -> dict[str, str]:
+    """Primary target name -> the checkpoint tensor (its name in the file) that feeds it."""
+    return {target.names[0]: name for target in targets if (name := _feeding(target, originals)) is not None}
+
+
+def _feeding(target: TargetSpec, originals: Mapping[str, str]) -> str | None:
+    """The checkpoint tensor (its name in the file) that feeds ``target``: the first of its names it has, renamed."""
+    present = next((name for name in target.names if name in originals), None)
+    return None if present is None else originals[present]
 
 
 def _candidates(targets: Sequence[TargetSpec], names: list[str]) -> list[dict[str, str]]:
@@ -307,8 +383,9 @@ def _with_prefix(names: list[str], candidate: dict[str, str]) -> set[str] | None
     return renamed if len(renamed) == len(names) else None
 
 
-def _common_prefixes(names: Iterable[str]) -> list[str]:
-    counts = Counter(name.split(".", 1)[0] + "." for name in names if "." in name)
+def _common_prefixes(names: Iterable[str], depth: int = 1) -> list[str]:
+    """The most common prefixes of ``depth`` name components (and a dot)."""
+    counts = Counter(".".join(parts[:depth]) + "." for name in names if len(parts := name.split(".")) > depth)
     return [prefix for prefix, _ in counts.most_common(_DATA_PREFIXES)]
 
 
@@ -377,6 +454,8 @@ def _advice(
             f"The names were aligned by `rename={plan.aligned!r}`, found automatically; to leave out the checkpoint"
             f" tensors that the model does not have, pass `rename={value!r}`. {_RENAME_USAGE}"
         ]
+    if plan.declined is not None:
+        return [plan.declined.advice()]
     if ambiguous:
         choices = " or ".join(f"`rename={candidate!r}`" for candidate in ambiguous[:_SHOWN])
         return [
@@ -393,10 +472,140 @@ def _advice(
     ]
 
 
-def _best_candidate(targets: Sequence[TargetSpec], names: list[str]) -> tuple[dict[str, str] | None, int]:
+@dataclass(frozen=True)
+class InnerRename:
+    """A rename that changes the checkpoint's names inside, not only by a prefix, and what it loads."""
+
+    prefix: dict[str, str] | None
+    """The prefix change applied first (``{"model.": ""}`` removes, ``{"": "model."}`` adds), if any."""
+    replacements: tuple[tuple[str, str], ...]
+    """``(old, new)`` parts of the names, replaced in turn (``(".q_proj.", ".q_proj.base_layer.")``)."""
+    matched: int
+    """How many of the model's tensors the checkpoint feeds with this rename."""
+    left: list[str]
+    """The model's tensors that the checkpoint does not hold even then."""
+    extra: list[str] = field(default_factory=list)
+    """The checkpoint's tensors (names in the file) that the model does not hold even then."""
+
+    def __call__(self, name: str) -> str:
+        renamed = _rename_one(name, self.prefix) if self.prefix else name
+        assert renamed is not None
+        for old, new in self.replacements:
+            renamed = renamed.replace(old, new)
+        return renamed
+
+    def expression(self) -> str:
+        """The rename as a lambda that the user can paste (the same steps as calling this object)."""
+        value = "name"
+        if self.prefix:
+            ((removed, added),) = self.prefix.items()
+            value = f"name.removeprefix({removed!r})" if removed else f"({added!r} + name)"
+        return "lambda name: " + value + "".join(f".replace({old!r}, {new!r})" for old, new in self.replacements)
+
+    def advice(self, total: int) -> str:
+        changes = [f"{old!r} reads {new!r}" for old, new in self.replacements]
+        if self.prefix:
+            ((removed, added),) = self.prefix.items()
+            changes.insert(0, f"the prefix {removed!r} is removed" if removed else f"the prefix {added!r} is added")
+        partial = ""
+        if self.left:
+            partial = (
+                f" The other {len(self.left)} ({_names(self.left)}) are not in this file: add `strict=False` to leave"
+                " them as they are (an adapter's tensors when the file holds the base model, or the base model's when"
+                " it holds an adapter)."
+            )
+        if self.extra:
+            partial += (
+                f" The file's {len(self.extra)} other tensor(s) ({_names(self.extra)}) are not in the model:"
+                f" {'`strict=False` also ignores them' if self.left else 'add `strict=False` to ignore them'}."
+            )
+        return (
+            f"The checkpoint's names differ from the model's inside, not only by a prefix: they match once"
+            f" {'; '.join(changes)}. With `rename={self.expression()}`, {self.matched} of the model's {total} tensors"
+            f" load.{partial} {_RENAME_USAGE}"
+        )
+
+
+def _inner_rename(
+    targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], matched_now: int
+) -> InnerRename | None:
+    """The rename that inserts or substitutes whole name components consistently, if it loads more than a prefix.
+
+    A wrapper inserts components (peft: ``q_proj.weight`` is ``q_proj.base_layer.weight``, ``lora_A.weight`` is
+    ``lora_A.default.weight``) or a model renames one (``block_sparse_moe`` is ``mlp``): each model tensor that the
+    checkpoint lacks is compared with the checkpoint's names, with one or two components left out of the model's name,
+    or one component in another place, and counted where the shapes agree. The edits found for the most tensors
+    become ``str.replace`` calls, after the prefix change that matches the most names; the result is checked (no two
+    names collide, no exact name changes).
+
+    """
+    names = list(specs)
+    shapes = {target.names[0]: target.shape for target in targets}
+    best, best_matched = _best_candidate(targets, names, depth=2)
+    if best_matched <= _matched(targets, set(names)):
+        best, best_matched = None, _matched(targets, set(names))
+    prefixed = {(_rename_one(name, best) if best else name): name for name in names}
+    if len(prefixed) != len(names) or any(value is None for value in prefixed):
+        return None
+    target_names = {name for target in targets for name in target.names}
+    unmatched = set(prefixed) - target_names
+    missing = [target.names[0] for target in targets if not any(name in prefixed for name in target.names)]
+    if not unmatched or not missing:
+        return None
+    by_context: dict[tuple[int, tuple[str, ...], tuple[str, ...]], set[str]] = {}
+    for name in unmatched:
+        parts = tuple(name.split("."))
+        for index in range(len(parts) - 1):
+            by_context.setdefault((index, parts[:index], parts[index + 1 :]), set()).add(parts[index])
+    edits: Counter[tuple[str, str]] = Counter()
+    for name in missing:
+        parts = tuple(name.split("."))
+        for index in range(1, len(parts) - 1):
+            for width in (1, 2):
+                shorter = ".".join(parts[:index] + parts[index + width :])
+                if (
+                    index + width < len(parts)
+                    and shorter in unmatched
+                    and specs[prefixed[shorter]].shape == shapes[name]
+                ):
+                    before, inserted = parts[index - 1], ".".join(parts[index : index + width])
+                    edits[(f".{before}.", f".{before}.{inserted}.")] += 1
+            others = by_context.get((index, parts[:index], parts[index + 1 :]), set()) - {parts[index]}
+            if len(others) == 1:
+                other = others.pop()
+                source = ".".join((*parts[:index], other, *parts[index + 1 :]))
+                if specs[prefixed[source]].shape == shapes[name]:
+                    edits[(f".{other}.", f".{parts[index]}.")] += 1
+    chosen: dict[str, str] = {}
+    for (old, new), _ in edits.most_common():
+        if old not in chosen and len(chosen) < _SHOWN:
+            chosen[old] = new
+    if not chosen:
+        return None
+    candidate = InnerRename(best, tuple(chosen.items()), 0, [])
+    renamed = {candidate(name): name for name in names}
+    if len(renamed) != len(names) or any(candidate(name) != name for name in names if name in target_names):
+        return None
+    matched = _matched(targets, set(renamed))
+    if matched <= max(matched_now, best_matched):
+        return None
+    left = [target.names[0] for target in targets if not any(name in renamed for name in target.names)]
+    extra = [original for new, original in renamed.items() if new not in target_names]
+    return InnerRename(best, tuple(chosen.items()), matched, left, extra)
+
+
+def _best_candidate(
+    targets: Sequence[TargetSpec], names: list[str], depth: int = 1
+) -> tuple[dict[str, str] | None, int]:
+    """The prefix change that matches the most model tensors; ``depth=2`` also tries two-component prefixes."""
     best: dict[str, str] | None = None
     best_matched = 0
-    for candidate in _candidates(targets, names):
+    candidates = _candidates(targets, names)
+    if depth > 1:
+        removed = [p for p in _common_prefixes(names, depth) if {p: ""} not in candidates]
+        added = [p for p in _common_prefixes((t.names[0] for t in targets), depth) if {"": p} not in candidates]
+        candidates += [{prefix: ""} for prefix in removed] + [{"": prefix} for prefix in added]
+    for candidate in candidates:
         renamed = _with_prefix(names, candidate)
         matched = _matched(targets, renamed) if renamed is not None else 0
         if matched > best_matched:

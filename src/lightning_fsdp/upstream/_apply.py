@@ -15,15 +15,18 @@
 
 import ast
 import difflib
+import hashlib
 import importlib
 import os
 import re
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import lightning_fsdp
 from lightning_fsdp.upstream._merge import drop_unused_imports, merge_module, upstream_base
+from lightning_fsdp.upstream._pinned import PINNED_MASTER_COMMIT, PINNED_MASTER_DEFINITIONS
 from lightning_fsdp.upstream._rewrite import (
     NameMap,
     drop_package_only,
@@ -61,6 +64,7 @@ TESTS_MODULE = "tests_fabric.utilities.checkpoint_loading"
 GUIDE_DIR = "docs/source-fabric/guide/checkpoint"
 EXAMPLES_DIR = "docs/source-fabric/guide/checkpoint/examples"
 CHANGELOG = "src/lightning/fabric/CHANGELOG.md"
+CONNECTOR_MODULE = "lightning.fabric.connector"
 CONNECTOR = "src/lightning/fabric/connector.py"
 #: The entries this change adds to ``src/lightning/fabric/CHANGELOG.md``, by section.
 CHANGELOG_ENTRIES = {
@@ -165,7 +169,12 @@ def plan(tree: Path) -> Plan:
     result = Plan(root, tree_version(root))
     ours = _our_modules()
     targets = _targets(ours)
-    _check_supported(root, result.found_version, sorted({*targets.values(), "lightning.fabric.connector"}))
+    from_master = _check_supported(root, result.found_version, _relevant_definitions(ours, targets))
+    if from_master:
+        result.notes.append(
+            f"the tree is Lightning's master at {PINNED_MASTER_COMMIT} in the definitions that the change replaces or"
+            f" calls and that differ from lightning {version('lightning')}'s: {'; '.join(from_master)}"
+        )
     names = _name_map(root, ours, targets)
     # Module-level merges first, so that a class merged into the same module finds their helpers there.
     merged: dict[str, Change] = {}
@@ -298,44 +307,146 @@ def _name_map(root: Path, ours: dict[str, Path], targets: dict[str, str]) -> Nam
 
 
 def _definitions(text: str) -> dict[str, str]:
-    """Each top-level statement and class member of a module, keyed by name, as a syntax-tree dump."""
+    """Each top-level statement and class member of a module, keyed by name, as a normalised syntax tree."""
     definitions = {}
     for node in ast.parse(text).body:
         if isinstance(node, ast.ClassDef):
-            definitions[f"class {node.name}"] = ast.dump(ast.ClassDef(**{**node.__dict__, "body": []}))
+            definitions[f"class {node.name}"] = _normalized(ast.ClassDef(**{**node.__dict__, "body": []}))
             for member in node.body:
                 key = member.name if isinstance(member, ast.FunctionDef) else ast.unparse(member)[:60]
-                definitions[f"{node.name}.{key}"] = definitions.get(f"{node.name}.{key}", "") + ast.dump(member)
+                definitions[f"{node.name}.{key}"] = definitions.get(f"{node.name}.{key}", "") + _normalized(member)
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            definitions[node.name] = ast.dump(node)
+            definitions[node.name] = _normalized(node)
         else:
-            definitions[ast.unparse(node).splitlines()[0][:80]] = ast.dump(node)
+            definitions[ast.unparse(node).splitlines()[0][:80]] = _normalized(node)
     return definitions
 
 
-def _check_supported(root: Path, found: str, modules: list[str]) -> None:
-    """Refuse a tree whose modules that this command edits differ from those of the installed, supported release."""
+def _normalized(value: Any) -> str:
+    """A syntax tree as text, without positions and without empty fields.
+
+    Newer Pythons add empty fields (``type_params``): without them, a fingerprint is the same on every Python.
+
+    """
+    if isinstance(value, ast.AST):
+        fields = (f"{name}={_normalized(child)}" for name, child in ast.iter_fields(value) if child not in (None, []))
+        return f"{type(value).__name__}({', '.join(fields)})"
+    if isinstance(value, list):
+        return f"[{', '.join(_normalized(item) for item in value)}]"
+    return repr(value)
+
+
+def _fingerprint(definition: str | None) -> str:
+    """A short hash of a normalised definition; empty for a definition that the module does not have."""
+    return hashlib.sha256(definition.encode()).hexdigest()[:16] if definition is not None else ""
+
+
+def pinned_fingerprints(tree: Path) -> dict[str, dict[str, str]]:
+    """Fingerprints of the definitions that the change replaces or calls and that differ in ``tree`` from the release.
+
+    For master at the pinned commit, they are what ``_pinned.PINNED_MASTER_DEFINITIONS`` holds.
+
+    """
+    root = find_root(Path(tree))
+    ours = _our_modules()
+    fingerprints: dict[str, dict[str, str]] = {}
+    for module, keys in sorted(_relevant_definitions(ours, _targets(ours)).items()):
+        expected, actual = _reference_definitions(module), _definitions(_read(root / _module_path(module)))
+        changed = {key: _fingerprint(actual.get(key)) for key in sorted(keys) if expected.get(key) != actual.get(key)}
+        if changed:
+            fingerprints[module] = changed
+    return fingerprints
+
+
+def _reference_definitions(module: str) -> dict[str, str]:
+    """The definitions of ``module`` in the installed release."""
+    return _definitions(Path(importlib.import_module(module).__file__ or "").read_text())
+
+
+def _relevant_definitions(ours: dict[str, Path], targets: dict[str, str]) -> dict[str, set[str]]:
+    """Per upstream module that the command edits, the definitions that the change replaces, merges into or calls.
+
+    Those must be the ones it was written and tested against; the others may differ. They are (keys of
+    :func:`_definitions`): each upstream class that one of ours is merged into (its header, the methods ours defines
+    and those ours calls through ``super()``), the module-level names that a merged module of ours defines (they
+    would collide), every name that our modules and the loading package import from those upstream modules or read
+    as attributes of them, and the connector's method that loses its GPU-only check.
+
+    """
+    relevant: dict[str, set[str]] = {module: set() for module in {*targets.values(), CONNECTOR_MODULE}}
+    relevant[CONNECTOR_MODULE].add("_Connector._check_strategy_and_fallback")
+    files = [(name, path) for name, path in sorted(ours.items()) if name in targets and path.is_file()]
+    files += [(None, path) for path in sorted((PACKAGE_DIR / "loading").rglob("*.py"))]
+    for name, file in files:
+        text = file.read_text()
+        tree = ast.parse(text)
+        aliases: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in relevant:
+                        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                    elif node.module in relevant:
+                        relevant[node.module].add(alias.name)
+            elif isinstance(node, ast.Import):
+                aliases.update({alias.asname: alias.name for alias in node.names if alias.asname in relevant})
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                relevant[aliases[node.value.id]].add(node.attr)
+        if name in MERGED_MODULES:
+            relevant[targets[name]] |= {
+                node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)
+            }
+        base = upstream_base(text, _ours_path(file)) if name is not None else None
+        if base is not None:
+            module, cls = base
+            ours_class = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls)
+            relevant[module].add(f"class {cls}")
+            relevant[module] |= {f"{cls}.{node.name}" for node in ours_class.body if isinstance(node, ast.FunctionDef)}
+            relevant[module] |= {
+                f"{cls}.{node.func.attr}"
+                for node in ast.walk(ours_class)
+                if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Call)
+                and isinstance(node.func.value.func, ast.Name)
+                and node.func.value.func.id == "super"
+            }
+    return relevant
+
+
+def _check_supported(root: Path, found: str, relevant: dict[str, set[str]]) -> list[str]:
+    """Refuse a tree in which a definition that the change replaces or calls differs from the installed release's.
+
+    A definition that is master's at the pinned commit is accepted; those are returned.
+
+    """
     installed = version("lightning")
     differences = []
-    for module in modules:
+    from_master = []
+    for module, keys in sorted(relevant.items()):
         path = _module_path(module)
-        reference = Path(importlib.import_module(module).__file__ or "").read_text()
-        expected, actual = _definitions(reference), _definitions(_read(root / path))
-        changed = sorted(key for key in expected.keys() | actual.keys() if expected.get(key) != actual.get(key))
-        if changed:
-            shown = ", ".join(f"`{key}`" for key in changed[:12]) + (
-                f" and {len(changed) - 12} more" if len(changed) > 12 else ""
+        expected, actual = _reference_definitions(module), _definitions(_read(root / path))
+        changed = sorted(key for key in keys if expected.get(key) != actual.get(key))
+        pinned = PINNED_MASTER_DEFINITIONS.get(module, {})
+        unknown = [key for key in changed if pinned.get(key) != _fingerprint(actual.get(key))]
+        from_master += [f"{path}: `{key}`" for key in changed if key not in unknown]
+        if unknown:
+            shown = ", ".join(f"`{key}`" for key in unknown[:12]) + (
+                f" and {len(unknown) - 12} more" if len(unknown) > 12 else ""
             )
             differences.append(f"  - {path}: {shown}")
     if differences:
         raise UpstreamError(
-            f"{root} does not look like lightning {installed}, the release this package supports and is installed here:"
-            f" it holds lightning {found} (says its version.info), and these definitions differ from {installed}'s:\n"
+            f"{root} does not look like lightning {installed}, the release this package supports and is installed here,"
+            f" nor like Lightning's master at {PINNED_MASTER_COMMIT}: it holds lightning {found} (says its"
+            f" version.info), and these definitions, which the change replaces or calls, differ from both:\n"
             + "\n".join(differences)
             + f"\nApply the command to the sources of lightning {installed} (its git tag, or"
-            f" `pip download --no-binary :all: --no-deps lightning=={installed}`). docs/source-fabric/upstream.rst says"
-            " what targeting Lightning's master takes."
+            f" `pip download --no-binary :all: --no-deps lightning=={installed}`) or to master at"
+            f" {PINNED_MASTER_COMMIT}. docs/source-fabric/upstream.rst says how the pinned commit is moved."
         )
+    return from_master
 
 
 def _localize_imports(source: Source, modules: set[str]) -> str:

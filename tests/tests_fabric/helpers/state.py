@@ -1,4 +1,4 @@
-"""Gather the full state of an FSDP model and optimizer on every rank, to compare it bit-exact."""
+"""Gather the full state of an FSDP1 or FSDP2 model and optimizer on every rank, to compare it bit-exact."""
 
 from typing import Any
 
@@ -8,10 +8,14 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
+
 
 def gather_full_state(model: Module, optimizer: Optimizer | None = None) -> dict[str, Any]:
     """Return ``{"model": ..., "optimizer": ...}`` with unsharded CPU tensors, the same on every rank."""
     module = getattr(model, "_forward_module", model)
+    if has_dtensor_params(module):
+        return _gather_dtensor_state(module, optimizer)
     with FSDP.state_dict_type(
         module,
         StateDictType.FULL_STATE_DICT,
@@ -22,6 +26,18 @@ def gather_full_state(model: Module, optimizer: Optimizer | None = None) -> dict
         if optimizer is not None:
             optimizer = getattr(optimizer, "optimizer", optimizer)
             state["optimizer"] = _to_cpu(FSDP.optim_state_dict(module, optimizer))
+    return state
+
+
+def _gather_dtensor_state(module: Module, optimizer: Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    state: dict[str, Any] = {"model": _to_cpu(get_model_state_dict(module, options=options))}
+    if optimizer is not None:
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        # A copy: the step counters are the optimizer's own tensors, which the next step increments.
+        state["optimizer"] = _to_cpu(get_optimizer_state_dict(module, optimizer, options=options))
     return state
 
 
@@ -53,3 +69,16 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(value) for value in obj)
     return obj
+
+
+def gather_full_dtensor_state(model: Module, optimizer: Optimizer | None = None) -> dict[str, Any]:
+    """:func:`gather_full_state` for a model whose parameters are ``DTensor``\\ s (FSDP2, tensor parallelism)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    module = getattr(model, "_forward_module", model)
+    options = StateDictOptions(full_state_dict=True)
+    state: dict[str, Any] = {"model": _to_cpu(get_model_state_dict(module, options=options))}
+    if optimizer is not None:
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        state["optimizer"] = _to_cpu(get_optimizer_state_dict(module, optimizer, options=options))
+    return state

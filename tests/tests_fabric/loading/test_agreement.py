@@ -24,6 +24,7 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lightning_fsdp.loading import agreement
 from lightning_fsdp.loading.agreement import Agreement, poll_until
 from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.turns import StaggeredLoad
 
 #: In the tests, a rank whose heartbeat stands still this long is dead (the default is half a minute).
@@ -77,7 +78,7 @@ def fast_heartbeats(monkeypatch):
 
 def test_every_rank_returns_when_none_failed(make_store):
     def rank_fn(rank: int, store: dist.Store) -> int:
-        with Agreement(store=store, rank=rank, world_size=3) as agreed:
+        with Agreement(store=store, rank=rank, world_size=3, namespace="test") as agreed:
             assert agreed.distributed
             time.sleep(0.1 * rank)
             agreed.agree()
@@ -89,7 +90,7 @@ def test_every_rank_returns_when_none_failed(make_store):
 
 def test_any_rank_tells_every_rank_whether_one_set_the_flag(make_store):
     def rank_fn(rank: int, store: dist.Store) -> tuple[bool, bool, bool]:
-        with Agreement(store=store, rank=rank, world_size=3) as agreed:
+        with Agreement(store=store, rank=rank, world_size=3, namespace="test") as agreed:
             time.sleep(0.05 * rank)
             # Each call counts afresh: rank 2 alone, then nobody, then everybody.
             return agreed.any_rank(rank == 2), agreed.any_rank(False), agreed.any_rank(True)
@@ -105,7 +106,7 @@ def test_any_rank_with_a_single_process_is_the_flag():
 
 def test_a_failure_is_raised_on_every_rank_naming_the_rank(make_store):
     def rank_fn(rank: int, store: dist.Store) -> None:
-        with Agreement("Reading 'x.ckpt'", store=store, rank=rank, world_size=3):
+        with Agreement("Reading 'x.ckpt'", store=store, rank=rank, world_size=3, namespace="test"):
             if rank == 1:
                 raise ValueError("no such file")
 
@@ -115,13 +116,32 @@ def test_a_failure_is_raised_on_every_rank_naming_the_rank(make_store):
     assert all(isinstance(error, CheckpointLoadError) for error in errors)
     assert {str(error) for error in errors} == {"Reading 'x.ckpt' failed on rank 1: ValueError: no such file"}
     assert {error.failed_ranks for error in errors} == {(1,)}
-    # The failing rank keeps its own exception as the cause; the others report it without one.
+    # The failing rank keeps its own exception as the cause; the others report it without one. An unexpected one (not
+    # a `CheckpointLoadError`) is chained too, for its traceback to be printed.
+    assert [type(error.cause) for error in errors] == [type(None), ValueError, type(None)]
     assert [type(error.__cause__) for error in errors] == [type(None), ValueError, type(None)]
+
+
+def test_a_failing_ranks_own_checkpoint_load_error_is_kept_but_not_chained(make_store):
+    """Its text is in the agreed error's message: a traceback that printed it again would show the user two errors."""
+
+    def rank_fn(rank: int, store: dist.Store) -> None:
+        with Agreement("Reading 'x.ckpt'", store=store, rank=rank, world_size=2, namespace="test"):
+            if rank == 1:
+                raise CheckpointLoadError("The file 'x.ckpt' is empty.")
+
+    (_, on_rank_0), (_, on_rank_1) = _in_threads(2, rank_fn, make_store)
+    assert str(on_rank_1) == "Reading 'x.ckpt' failed on rank 1: The file 'x.ckpt' is empty."
+    assert str(on_rank_1.cause) == "The file 'x.ckpt' is empty."
+    assert on_rank_1.cause.__traceback__ is not None
+    assert on_rank_1.__cause__ is None
+    assert on_rank_0.cause is None
+    assert "".join(traceback.format_exception(on_rank_1)).count("is empty") == 1
 
 
 def test_failures_of_several_ranks_are_listed_by_rank(make_store):
     def rank_fn(rank: int, store: dist.Store) -> None:
-        with Agreement(store=store, rank=rank, world_size=3):
+        with Agreement(store=store, rank=rank, world_size=3, namespace="test"):
             if rank != 1:
                 raise KeyError(f"missing on rank {rank}")
 
@@ -138,7 +158,7 @@ def test_a_failure_after_an_agreement_does_not_fail_it_for_a_rank_still_reading_
     """Ranks 1 and 2 pass the first agreement and fail in the work after it before rank 0 has read its outcome."""
 
     def rank_fn(rank: int, store: dist.Store) -> None:
-        with Agreement(store=store, rank=rank, world_size=3) as agreed:
+        with Agreement(store=store, rank=rank, world_size=3, namespace="test") as agreed:
             if rank == 0:
                 first_wait = agreed._wait
 
@@ -164,7 +184,7 @@ def test_a_waiting_rank_stops_when_another_fails(make_store):
     waits = {}
 
     def rank_fn(rank: int, store: dist.Store) -> None:
-        with Agreement(store=store, rank=rank, world_size=3) as agreed:
+        with Agreement(store=store, rank=rank, world_size=3, namespace="test") as agreed:
             if rank == 2:
                 time.sleep(0.3)
                 raise ValueError("boom")
@@ -185,11 +205,13 @@ def test_a_waiting_rank_stops_when_another_fails(make_store):
     assert {str(error) for _, error in outcomes} == {expected}
 
 
-def test_a_rank_that_never_arrives_is_declared_dead(make_store, fast_heartbeats):
+def test_a_rank_that_never_arrives_is_named_without_calling_it_dead(make_store, fast_heartbeats):
+    """It may be alive, having failed before the block: it is named as absent, not as killed."""
+
     def rank_fn(rank: int, store: dist.Store) -> None:
         if rank == 2:
             return None  # never joins: it died before the load
-        with Agreement(store=store, rank=rank, world_size=3):
+        with Agreement(store=store, rank=rank, world_size=3, namespace="test"):
             pass
         return None
 
@@ -201,16 +223,50 @@ def test_a_rank_that_never_arrives_is_declared_dead(make_store, fast_heartbeats)
     assert {error.failed_ranks for error in errors} == {(2,)}
     (message,) = {str(error) for error in errors}
     assert message.startswith(
-        "Loading the checkpoint failed on rank 2: rank 2 stopped responding (killed? out of memory?)"
+        f"Loading the checkpoint failed on rank 2: rank 2 did not join within {_TEST_UNRESPONSIVE_AFTER_S:.0f} s:"
+        " it has shown no heartbeat"
     )
+    assert "stopped responding" not in message
     assert _TEST_UNRESPONSIVE_AFTER_S <= elapsed < _TEST_UNRESPONSIVE_AFTER_S + 3.0
+
+
+def test_a_rank_that_fails_before_a_block_does_not_shift_the_next_one(make_store, fast_heartbeats):
+    """Rank 1 fails before it enters the first block: the next block, in its own namespace, meets as if nothing was."""
+
+    path_broadcast = threading.Barrier(3)  # the collective that every rank runs before each block
+
+    def rank_fn(rank: int, store: dist.Store) -> list:
+        outcomes = []
+        for namespace in ("first", "second"):
+            path_broadcast.wait()
+            try:
+                if rank == 1 and namespace == "first":
+                    raise MemoryError("before the block")
+                with Agreement(store=store, rank=rank, world_size=3, namespace=namespace) as agreed:
+                    agreed.agree()
+                outcomes.append("ok")
+            except (CheckpointLoadError, MemoryError) as error:
+                outcomes.append(str(error))
+        return outcomes
+
+    outcomes = _in_threads(3, rank_fn, make_store)
+    assert outcomes[1] == ("ok", ["before the block", "ok"])
+    for rank in (0, 2):
+        _, (first, second) = outcomes[rank]
+        assert first.startswith("Loading the checkpoint failed on rank 1: rank 1 did not join"), first
+        assert second == "ok"
+
+
+def test_a_block_needs_a_namespace_with_several_ranks():
+    with pytest.raises(ValueError, match=r"`Agreement\(namespace=...\)` is required with several ranks"):
+        Agreement(store=dist.HashStore(), rank=0, world_size=2).__enter__()
 
 
 def test_a_live_rank_is_never_declared_dead_however_long_it_works(fast_heartbeats):
     store = dist.HashStore()
 
     def rank_fn(rank: int, _: dist.Store) -> None:
-        with Agreement(store=store, rank=rank, world_size=2):
+        with Agreement(store=store, rank=rank, world_size=2, namespace="test"):
             if rank == 1:
                 time.sleep(1.5 * _TEST_UNRESPONSIVE_AFTER_S)  # its heartbeat goes on meanwhile
 
@@ -222,9 +278,9 @@ def test_liveness_counts_heartbeats_on_the_waiters_own_clock(monkeypatch):
     monkeypatch.setattr(agreement.time, "monotonic", lambda: clock[0])
     store = dist.HashStore()
     liveness = agreement._Liveness(store, rank=0, world_size=3)
-    assert liveness.unresponsive() == []  # read at most every heartbeat: nothing is read yet
+    assert liveness.unresponsive() == {}  # read at most every heartbeat: nothing is read yet
     clock[0] += 1.0
-    assert liveness.unresponsive() == []  # ranks 1 and 2 have no counter yet: from now on they must beat
+    assert liveness.unresponsive() == {}  # ranks 1 and 2 have no counter yet: from now on they must beat
     for _ in range(40):
         clock[0] += 1.0
         store.add("1", 1)
@@ -232,8 +288,8 @@ def test_liveness_counts_heartbeats_on_the_waiters_own_clock(monkeypatch):
         assert 1 not in dead
         if dead:
             break
-    # Rank 2 never beat: dead once its counter stood still for longer than the limit, on rank 0's clock.
-    assert dead == [2]
+    # Rank 2 never beat: unresponsive once its counter stood still for longer than the limit, on rank 0's clock.
+    assert dead == {2: False}
     assert clock[0] - 1001.0 > agreement._UNRESPONSIVE_AFTER_S
 
 
@@ -351,12 +407,12 @@ def _one_rank_dies(rank: int, world_size: int, where: str, victim: int, out_dir:
         agreement._UNRESPONSIVE_AFTER_S, agreement._HEARTBEAT_S = _TEST_UNRESPONSIVE_AFTER_S, _TEST_HEARTBEAT_S
     try:
         if where == "agreement":
-            with Agreement() as agreed:
+            with Agreement(namespace="test") as agreed:
                 if rank == victim:
                     _die(out_dir)
                 agreed.agree()
         else:
-            with StaggeredLoad(1, node_rank=0, local_rank=rank, local_world_size=world_size) as load:
+            with StaggeredLoad(1, node_rank=0, local_rank=rank, local_world_size=world_size, namespace="test") as load:
                 if where == "waiting" and rank == victim:
                     threading.Timer(0.5, _die, (out_dir,)).start()  # while it waits for rank 0 to leave its turn
                 with load.turn():
@@ -420,7 +476,10 @@ def _turns_and_a_failure(rank: int, world_size: int) -> list:
     for failing_rank in (None, 1):
         entered = []
         try:
-            with StaggeredLoad(1, node_rank=0, local_rank=rank, local_world_size=world_size) as load:
+            namespace = f"load-{failing_rank}"
+            with StaggeredLoad(
+                1, node_rank=0, local_rank=rank, local_world_size=world_size, namespace=namespace
+            ) as load:
                 with load.turn() as turn:
                     entered.append((turn.index, time.monotonic()))
                     time.sleep(0.5)  # longer than the 0.2 s that `FileStore`'s blocking waits used to allow
@@ -449,6 +508,30 @@ def test_turns_and_failures_on_every_store_type(mode, tmp_path):
     assert failed[2][3] == [], "rank 2 took its turn after rank 1 failed"
 
 
+def _keys_after_blocks(rank: int, world_size: int) -> dict[int, int]:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    keys_after = {}
+    for block in range(4):
+        progress = LoadProgress(local_rank=rank, enabled=False)
+        ranks = {"node_rank": 0, "local_rank": rank, "local_world_size": world_size}
+        with StaggeredLoad(1, **ranks, progress=progress, namespace=f"block{block}") as load:
+            progress.set_totals(10, 1)
+            load.any_rank(rank == 0)
+            with load.turn():
+                progress.update(10)
+        dist.barrier()  # every rank is between two blocks
+        keys_after[block] = _get_default_store().num_keys()
+        dist.barrier()
+    return keys_after
+
+
+def test_the_keys_of_finished_loads_are_deleted(tmp_path):
+    """The store holds the keys of one load, not of every load so far: they go once every rank is in a later one."""
+    keys_after = _launch(_keys_after_blocks, (), 2, "env", tmp_path)[0]
+    assert keys_after[1] == keys_after[3], keys_after
+
+
 def _quiet_wait(rank: int, world_size: int, out_dir: str) -> str:
     path = os.path.join(out_dir, f"stderr{rank}.txt")
     saved = os.dup(2)
@@ -456,7 +539,7 @@ def _quiet_wait(rank: int, world_size: int, out_dir: str) -> str:
     with open(path, "w") as capture:
         os.dup2(capture.fileno(), 2)
         try:
-            load = StaggeredLoad(1, node_rank=0, local_rank=rank, local_world_size=world_size)
+            load = StaggeredLoad(1, node_rank=0, local_rank=rank, local_world_size=world_size, namespace="test")
             with load, load.turn():
                 time.sleep(2.5 if rank == 0 else 0.0)  # ranks 1 and 2 wait 2.5 s for their turn
         finally:

@@ -99,7 +99,7 @@ def _node_progress(output_dir: str, devices: int, num_nodes: int) -> None:
     ranks = {"node_rank": node_rank, "local_rank": local_rank}
     with open(os.path.join(output_dir, f"rank{rank}.txt"), "w") as output:
         progress = LoadProgress(total_bytes=10 * 1024, total_tensors=10, **ranks, enabled=True, file=output)
-        load = StaggeredLoad(1, **ranks, local_world_size=devices, progress=progress)
+        load = StaggeredLoad(1, **ranks, local_world_size=devices, progress=progress, namespace="test")
         with progress, load, load.turn():
             for _ in range(10):
                 progress.update(1024)

@@ -27,7 +27,9 @@ def _init_process_group(devices: int, num_nodes: int, timeout: float = 60.0) -> 
 
 def _timed_turns(concurrency: int, devices: int, num_nodes: int, duration: float) -> dict:
     _, node_rank, local_rank = _init_process_group(devices, num_nodes)
-    load = StaggeredLoad(concurrency, node_rank=node_rank, local_rank=local_rank, local_world_size=devices)
+    load = StaggeredLoad(
+        concurrency, node_rank=node_rank, local_rank=local_rank, local_world_size=devices, namespace="test"
+    )
     with load, load.turn(source_bytes=1) as turn:
         entered = time.monotonic()
         time.sleep(duration)
@@ -71,7 +73,9 @@ def _failing_load(where: str, failing_rank: int, devices: int, num_nodes: int) -
     durations = {0: 0.3, 1: 0.3, 2: 1.5, 3: 0.3}  # rank 2 (node 1) is busy in a long turn when the failure happens
     outcome = {"rank": rank, "entered": False, "failed_at": None, "stopped_waiting_at": None}
     try:
-        with StaggeredLoad(1, node_rank=node_rank, local_rank=local_rank, local_world_size=devices) as load:
+        with StaggeredLoad(
+            1, node_rank=node_rank, local_rank=local_rank, local_world_size=devices, namespace="test"
+        ) as load:
             if where == "before_turn" and rank == failing_rank:
                 time.sleep(0.2)
                 outcome["failed_at"] = time.monotonic()
@@ -130,7 +134,9 @@ def _slow_turns_under_short_timeout(checkpoint_dir: str) -> dict:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(timeout=timedelta(seconds=3)))
     fabric.launch()
     started = time.monotonic()
-    load = StaggeredLoad(1, node_rank=fabric.node_rank, local_rank=fabric.local_rank, local_world_size=2)
+    load = StaggeredLoad(
+        1, node_rank=fabric.node_rank, local_rank=fabric.local_rank, local_world_size=2, namespace="test"
+    )
     with load, load.turn(source_bytes=1):
         time.sleep(4.0)  # longer than the process-group timeout: rank 1 waits this long for its turn, rank 0 as long
         # for the agreement at the end
@@ -162,7 +168,11 @@ def _repeated_loads(devices: int) -> list:
         order = []
         try:
             with StaggeredLoad(
-                concurrency, node_rank=node_rank, local_rank=local_rank, local_world_size=devices
+                concurrency,
+                node_rank=node_rank,
+                local_rank=local_rank,
+                local_world_size=devices,
+                namespace=f"load{index}",
             ) as load:
                 for phase in range(2):
                     with load.turn() as turn:
@@ -191,7 +201,7 @@ def _auto_concurrency_is_decided_per_node(devices: int) -> int:
     _, node_rank, local_rank = _init_process_group(devices, 1)
     # Each rank would see a different amount of free memory: room for 1 copy on local rank 0, 2 on local rank 1.
     turns.available_memory = lambda: int((local_rank + 1) * 10 * _GiB / turns._AUTO_MEMORY_FRACTION)
-    load = StaggeredLoad("auto", node_rank=node_rank, local_rank=local_rank, local_world_size=devices)
+    load = StaggeredLoad("auto", node_rank=node_rank, local_rank=local_rank, local_world_size=devices, namespace="test")
     with load, load.turn(source_bytes=10 * _GiB) as turn:
         pass
     return turn.concurrency
