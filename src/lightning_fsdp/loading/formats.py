@@ -158,7 +158,7 @@ def _sniff_file(path: Path) -> CheckpointFormat:
     )
 
 
-def read_index(path: Path) -> dict[str, str]:
+def read_index(path: CheckpointPath) -> dict[str, str]:
     """The ``weight_map`` of a Hugging Face index: tensor name -> the name of the shard file (next to the index).
 
     The index is read once, and refused before it is parsed when it is larger than :data:`MAX_INDEX_BYTES` or could
@@ -172,7 +172,7 @@ def read_index(path: Path) -> dict[str, str]:
     """
     size = require_regular_file(path, "index file").st_size
     if size <= MAX_INDEX_BYTES:
-        with open(path, "rb") as file:
+        with open_stream(path) as file:
             data = file.read(MAX_INDEX_BYTES + 1)  # never more than the limit, even if the file grew meanwhile
         size = len(data)
     if size > MAX_INDEX_BYTES:
