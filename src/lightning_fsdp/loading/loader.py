@@ -19,7 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.conversions import with_declared_conversions
-from lightning_fsdp.loading.errors import CheckpointLoadError, unexpected_cause
+from lightning_fsdp.loading.errors import CheckpointLoadError, quoted_names, unexpected_cause
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.materialize import init_record
@@ -39,7 +39,7 @@ from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_c
 from lightning_fsdp.loading.sources import TensorSource, materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
-from lightning_fsdp.loading.validation import NamePlan, Rename, TargetSpec, _names, check_whole_module, plan_load
+from lightning_fsdp.loading.validation import NamePlan, Rename, TargetSpec, check_whole_module, plan_load
 
 
 @dataclass(frozen=True)
@@ -398,11 +398,11 @@ def _warn_uninitialized(path: Path, module: Module, written: frozenset[str] | No
     names = sorted(record.uninitialized)
     rank_zero_warn(
         f"After loading {str(path)!r}, the model still holds {len(names)} tensor(s) that nothing initialised:"
-        f" {_names(names)}. `fabric.init_module(empty_init=True)` created them on the meta device, and neither their"
-        " module's `reset_parameters()` nor the model's own initialisation (`_init_weights` of a Hugging Face model)"
-        " nor this checkpoint wrote them, so they hold NaN (floating point) or arbitrary values. Load a checkpoint"
-        " that holds them, or give their modules a `reset_parameters()` that sets them (a non-persistent buffer,"
-        " which no checkpoint holds, must be set there)."
+        f" {quoted_names(names)}. `fabric.init_module(empty_init=True)` created them on the meta device, and neither"
+        " their module's `reset_parameters()` nor the model's own initialisation (`_init_weights` of a Hugging Face"
+        " model) nor this checkpoint wrote them, so they hold NaN (floating point) or arbitrary values. Load a"
+        " checkpoint that holds them, or give their modules a `reset_parameters()` that sets them (a non-persistent"
+        " buffer, which no checkpoint holds, must be set there)."
     )
 
 
