@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from lightning_fsdp.loading.errors import CheckpointLoadError, unexpected_cause
+from lightning_fsdp.loading.errors import CheckpointLoadError, described, unexpected_cause
 
 #: Where the agreements' keys live in the store.
 _KEY_ROOT = "lightning_fsdp/agreement"
@@ -305,7 +305,7 @@ class Agreement:
         if self._published or self._store is None or _reports_others(error, self._rank):
             return
         self._published = True
-        message = str(error) if isinstance(error, CheckpointLoadError) else f"{type(error).__name__}: {error}"
+        message = described(error)
         if len(message) > _MAX_MESSAGE_CHARS:
             message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
         self._append_failure(self._rank, message, self._agreements)

@@ -82,6 +82,15 @@ def first_line(error: BaseException) -> str:
     return printable(text.split("\n", 1)[0][:500]) if text else type(error).__name__
 
 
+def described(error: BaseException) -> str:
+    """``error`` for a message: its type and text, escaped, or a ``CheckpointLoadError``'s text as it is.
+
+    A library's error may quote the file's text; a ``CheckpointLoadError`` has its file text escaped already.
+
+    """
+    return str(error) if isinstance(error, CheckpointLoadError) else printable(f"{type(error).__name__}: {error}")
+
+
 def quoted_names(names: Iterable[Any]) -> str:
     """The first :data:`SHOWN_NAMES` of ``names``, each quoted by ``repr``, and how many more there are."""
     return shown_items([repr(name) for name in names])

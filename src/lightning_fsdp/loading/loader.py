@@ -19,7 +19,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.conversions import with_declared_conversions
-from lightning_fsdp.loading.errors import CheckpointLoadError, quoted_names, unexpected_cause
+from lightning_fsdp.loading.errors import CheckpointLoadError, described, quoted_names, unexpected_cause
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.materialize import init_record
@@ -192,10 +192,11 @@ def _load_file(
                 if request.optimizers
                 else "The model on the failing rank is"
             )
+            reason = described(error).rstrip(".")
             failure = CheckpointLoadError(
-                f"Writing the checkpoint into the model failed after it was validated: {error} {what} now partially"
-                " loaded, and the other ranks may have loaded fully, so the ranks differ: load the checkpoint again"
-                " before using the model.",
+                f"Writing the checkpoint into the model failed after it was validated: {reason}. {what} now"
+                " partially loaded, and the other ranks may have loaded fully, so the ranks differ: load the checkpoint"
+                " again before using the model.",
                 cause=error,
             )
             raise failure from unexpected_cause(error)

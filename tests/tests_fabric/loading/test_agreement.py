@@ -122,6 +122,21 @@ def test_a_failure_is_raised_on_every_rank_naming_the_rank(make_store):
     assert [type(error.__cause__) for error in errors] == [type(None), ValueError, type(None)]
 
 
+def test_another_errors_text_reaches_every_rank_escaped(make_store):
+    """A library's error may quote the file's text: a terminal's escape sequences, a newline."""
+
+    def rank_fn(rank: int, store: dist.Store) -> None:
+        with Agreement("Reading 'x.ckpt'", store=store, rank=rank, world_size=2, namespace="test"):
+            if rank == 1:
+                raise ValueError("unknown name 'w\x1b]0;PWNED\x07\nforged log line'")
+
+    errors = [error for _, error in _in_threads(2, rank_fn, make_store)]
+    assert {str(error) for error in errors} == {
+        "Reading 'x.ckpt' failed on rank 1: ValueError: unknown name 'w\\x1b]0;PWNED\\x07\\nforged log line'"
+    }
+    assert all(char.isprintable() for error in errors for char in str(error))
+
+
 def test_a_failing_ranks_own_checkpoint_load_error_is_kept_but_not_chained(make_store):
     """Its text is in the agreed error's message: a traceback that printed it again would show the user two errors."""
 
