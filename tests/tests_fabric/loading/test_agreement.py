@@ -277,6 +277,17 @@ def test_a_block_needs_a_namespace_with_several_ranks():
         Agreement(store=dist.HashStore(), rank=0, world_size=2).__enter__()
 
 
+def test_a_rank_has_beaten_once_as_soon_as_it_entered_a_block():
+    """A rank killed right after it entered a block is named as having stopped responding, never as not having joined:
+    its first heartbeat is written before the block's body runs, not whenever the heartbeat thread first gets to."""
+    store = dist.HashStore()
+    heartbeat = agreement._Heartbeat(store, "beat")
+    try:
+        assert int(store.add("beat", 0)) >= 1
+    finally:
+        heartbeat.stop()
+
+
 def test_a_live_rank_is_never_declared_dead_however_long_it_works(fast_heartbeats):
     store = dist.HashStore()
 
