@@ -47,9 +47,14 @@ setup(
             "click>=8.1",
             # 5.1 is the first release whose models, created on the meta device, tie their weights as on CPU.
             "transformers>=5.1,<6",
+            # A real S3 API on loopback (moto's server) and its client, for the tests of remote checkpoints.
+            "moto[server]>=5.0,<6",
+            "s3fs>=2024.2",
             # The peft-wrapped model of the guide's example and tests (base model and adapter loaded on top).
             "peft>=0.21,<1",
         ],
+        # Checkpoints in object storage: fsspec comes with lightning; s3fs reads `s3://` (gcsfs `gs://`, adlfs `az://`).
+        "remote": ["fsspec>=2024.2", "s3fs>=2024.2"],
         "docs": ["sphinx>=7.2", "myst-parser>=2.0"],
     },
     entry_points={"console_scripts": ["lightning-fsdp=lightning_fsdp.cli:main"]},

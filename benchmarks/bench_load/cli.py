@@ -7,6 +7,7 @@ import inspect
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from . import __doc__ as _DESCRIPTION
 from .capacity import parse_bytes, run_capacity
@@ -20,6 +21,7 @@ from .checkpoints import (
     STRATEGY_TITLES,
     write_checkpoints,
 )
+from .object_store import start_object_store
 from .output import _gb, _log
 from .report import _machine, render
 from .runner import _BUSY_MACHINE, Case, run_case
@@ -57,6 +59,10 @@ def _strategy_cases(args: argparse.Namespace, strategy: str) -> list[Case]:
     cases = []
     for fmt, weights_only in [(f, w) for f in formats for w in (True, False) if w or f in _TRUSTED_FORMATS]:
         for impl in args.implementations:
+            if impl == "s3":
+                label = "lightning-fsdp, from s3:// (moto on loopback)"
+                cases.append(Case(fmt, impl, None, label, None, weights_only, strategy))
+                continue
             if impl == "upstream":
                 reason = _upstream_unavailable(fmt)
                 label = f"upstream {lightning.__version__}"
@@ -138,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)} (default: all)"
     )
-    parser.add_argument("--implementations", default="upstream,ours", help="comma-separated: upstream, ours")
+    parser.add_argument(
+        "--implementations",
+        default="upstream,ours",
+        help="comma-separated: upstream, ours, s3 (ours, loading the same files from moto's S3 server on loopback)",
+    )
     parser.add_argument(
         "--strategy",
         choices=("fsdp", "fsdp2", "both"),
@@ -201,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--load-concurrency takes positive integers, 'all' and 'auto', got {bad}")
     if unknown := set(args.formats) - set(FORMATS):
         parser.error(f"unknown formats {sorted(unknown)}")
-    if unknown := set(args.implementations) - {"upstream", "ours"}:
+    if unknown := set(args.implementations) - {"upstream", "ours", "s3"}:
         parser.error(f"unknown implementations {sorted(unknown)}")
     if args.ranks % args.nodes:
         parser.error("--ranks must be a multiple of --nodes")
@@ -215,6 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.capacity:
         return _capacity(args, machine)
     meta = write_checkpoints(args.workdir, width, depth, args.formats, args.rewrite)
+    store = start_object_store(meta) if "s3" in args.implementations else None
+    try:
+        return _run_cases(args, meta, machine, size_label)
+    finally:
+        if store is not None:
+            store.stop()
+
+
+def _run_cases(args: argparse.Namespace, meta: dict[str, Any], machine: dict[str, str], size_label: str) -> int:
     cases = _cases(args)
     results = []
     for index, case in enumerate(cases, 1):

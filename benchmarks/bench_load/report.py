@@ -143,7 +143,9 @@ def render(
             f" | {_gb(r['base_pss'])} | {_gb(r['peak_pss'])} | {_signed(r['above_base'])} | {_gb(r['peak_anon'])}"
             f" | {_signed(r['anon_above_base_less_optimizer'])}"
             f" | {_gb(r['peak_file'])} ({_signed(r['file_above_base'])}) | {_gb(r['after_pss'])}"
-            f" | {_node_reads(r, 'read_bytes')} | {_node_reads(r, 'rchar')} | {correct} |"
+            f" | {_node_reads(r, 'read_bytes')} | {_node_reads(r, 'rchar')}"
+            + (f", fetched from S3 {_gb(max(r['fetched_per_node']))}" if "fetched_per_node" in r else "")
+            + f" | {correct} |"
         )
 
     ratio_rows = []

@@ -126,6 +126,8 @@ def run_case(
         "run_dir": str(run_dir),
         "load_concurrency": per_node if k == "all" else k,
         "weights_only": case.weights_only,
+        "remote_url": meta.get("remote", {}).get(case.format) if case.implementation == "s3" else None,
+        "storage_options": meta.get("storage_options"),
         "device": getattr(args, "device", "cpu"),
     }
     cfg_path = run_dir / "config.json"
@@ -331,6 +333,10 @@ def _reads(ranks: list[dict[str, Any]], node_of: list[int]) -> dict[str, Any]:
     if not all("io" in r for r in ranks):
         return {}
     out: dict[str, Any] = {}
+    if all("fetched" in r for r in ranks):
+        out["fetched_per_node"] = [0] * (max(node_of) + 1)
+        for node, rank in zip(node_of, ranks, strict=True):
+            out["fetched_per_node"][node] += rank["fetched"]
     for key in ("read_bytes", "rchar"):
         per_rank = [r["io"][key] for r in ranks]
         per_node = [0] * (max(node_of) + 1)

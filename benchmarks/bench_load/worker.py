@@ -109,7 +109,10 @@ def _load(cfg: dict[str, Any], fabric: Any, model: nn.Module, optimizer: Any) ->
     path = Path(cfg["path"])
     state = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
     trusted = {} if cfg["weights_only"] else {"weights_only": False}
-    if cfg["implementation"] != "upstream" or cfg["format"] == "full":
+    if cfg["remote_url"]:
+        with fabric.strategy.load_options(storage_options=cfg["storage_options"]):
+            fabric.load(cfg["remote_url"], state, **trusted)
+    elif cfg["implementation"] != "upstream" or cfg["format"] == "full":
         fabric.load(path, state, **trusted)
     elif cfg["format"] == "zip":
         fabric.load_raw(path, model)
@@ -276,6 +279,10 @@ def run_worker(cfg_path: str) -> int:
         if io_before and io_after:
             result["io"] = {key: io_after[key] - io_before[key] for key in io_before}
         result["load_seconds"] = end - start
+        if cfg["remote_url"]:
+            from lightning_fsdp.loading.remote import fetched_bytes
+
+            result["fetched"] = fetched_bytes()
         result["peak_rss"] = 1024 * (_read_fields("/proc/self/status", ("VmHWM",)) or {}).get("VmHWM", 0)
         if optimizer is not None:
             result["optimizer_state_allocated"] = _allocated_optimizer_state_bytes(optimizer)

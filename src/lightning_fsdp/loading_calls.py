@@ -7,7 +7,7 @@ Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level 
 ``model_parallel.py`` imports from already.
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, Protocol
@@ -22,8 +22,10 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.loading.agreement import new_namespace
 from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError
+from lightning_fsdp.loading.files import CheckpointPath
 from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
+from lightning_fsdp.loading.remote import RemotePath, is_remote, remote_path
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
 
@@ -34,6 +36,7 @@ class LoadingStrategy(Protocol):
     load_concurrency: int | Literal["auto"]
     load_progress: bool
     _load_rename: Rename | None
+    _load_storage_options: Mapping[str, Any] | None
 
     @property
     def world_size(self) -> int: ...
@@ -62,6 +65,19 @@ def init_loading_options(strategy: LoadingStrategy, concurrency: Any, progress: 
     strategy.load_concurrency = validate_concurrency(concurrency)
     strategy.load_progress = progress
     strategy._load_rename = None
+    strategy._load_storage_options = None
+
+
+def checkpoint_path(strategy: LoadingStrategy, path: Any) -> CheckpointPath:
+    """The broadcast ``path`` as the loader reads it: a local ``Path``, or a URL in object storage (``s3://...``).
+
+    A URL is kept as a string (``Path`` would collapse its ``//``) and opened through fsspec with the
+    ``storage_options`` of :func:`load_options`.
+
+    """
+    if is_remote(path):
+        return remote_path(str(path), strategy._load_storage_options)
+    return Path(path)
 
 
 def load_request(
@@ -76,7 +92,7 @@ def load_request(
     return LoadRequest(state[module_key], module_key, optimizers, metadata_keys, strict, weights_only, rename=rename)
 
 
-def broadcast_load_path(strategy: LoadingStrategy, path: _PATH) -> tuple[Path, str]:
+def broadcast_load_path(strategy: LoadingStrategy, path: _PATH) -> tuple[CheckpointPath, str]:
     """Rank 0's ``path``, and a namespace new to this load for its agreements: the path broadcast carries both.
 
     Every rank runs this collective before the load, so every rank meets the others under the same namespace, whatever
@@ -86,12 +102,16 @@ def broadcast_load_path(strategy: LoadingStrategy, path: _PATH) -> tuple[Path, s
     start = strategy.broadcast(_LoadStart(path, new_namespace()))
     if not isinstance(start, _LoadStart):
         # A broadcast patched to answer with the path alone (as a test of upstream's behaviour does): one process.
-        return Path(start), new_namespace()
-    return Path(start.path), start.namespace
+        return checkpoint_path(strategy, start), new_namespace()
+    return checkpoint_path(strategy, start.path), start.namespace
 
 
 def load_into_state(
-    strategy: LoadingStrategy, path: Path, state: Module | dict[str, Any], request: LoadRequest, namespace: str
+    strategy: LoadingStrategy,
+    path: CheckpointPath,
+    state: Module | dict[str, Any],
+    request: LoadRequest,
+    namespace: str,
 ) -> Any:
     """Run the load, warn about what ``strict=False`` skipped, move the metadata into ``state``; return the rest.
 
@@ -131,17 +151,26 @@ def rank_info(strategy: LoadingStrategy) -> RankInfo:
 
 
 @contextmanager
-def load_options(strategy: LoadingStrategy, rename: Rename | None) -> Iterator[None]:
+def load_options(
+    strategy: LoadingStrategy, rename: Rename | None, storage_options: Mapping[str, Any] | None = None
+) -> Iterator[None]:
     """Set the options of the loads inside the block on ``strategy``, and restore the previous ones after it."""
     check_rename(rename)
-    previous, strategy._load_rename = strategy._load_rename, rename
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise TypeError(
+            f"`load_options(storage_options=...)` takes a dict of fsspec options, got {type(storage_options).__name__}."
+        )
+    previous = strategy._load_rename, strategy._load_storage_options
+    strategy._load_rename, strategy._load_storage_options = rename, storage_options
     try:
         yield
     finally:
-        strategy._load_rename = previous
+        strategy._load_rename, strategy._load_storage_options = previous
 
 
-def refused_path(path: Path, error: Exception, raw: bool, strategy: str, shards: str) -> CheckpointPathError | None:
+def refused_path(
+    path: CheckpointPath, error: Exception, raw: bool, strategy: str, shards: str
+) -> CheckpointPathError | None:
     """The :class:`CheckpointPathError` (a ``ValueError``, as upstream's) to raise instead of ``error``, or ``None``.
 
     Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
@@ -152,7 +181,7 @@ def refused_path(path: Path, error: Exception, raw: bool, strategy: str, shards:
     the text of upstream's ``strategy`` follows (``shards`` names the sharded format in it), for code that matches it.
 
     """
-    if path.is_file() or (not raw and _is_sharded_checkpoint(path)):
+    if path.is_file() or (not raw and not isinstance(path, RemotePath) and _is_sharded_checkpoint(path)):
         return None
     try:
         detect_checkpoint(path)

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelParallelStrategy
 from lightning.fabric.strategies import model_parallel as _upstream
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
@@ -200,13 +199,10 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
 
         The arguments are checked in upstream's order, with its exception types and messages; a path that holds
         nothing this method reads raises a :class:`~lightning_fsdp.CheckpointPathError`, both a ``ValueError``
-        (upstream's type) and a ``CheckpointLoadError``. A
-        remote path (an fsspec URL such as ``s3://...``) is left to upstream's method.
+        (upstream's type) and a ``CheckpointLoadError``. A remote file (an fsspec URL such as ``s3://...``) is read
+        the same way, each rank fetching only its own byte ranges; a remote sharded directory is refused.
 
         """
-        if not _is_local_file_protocol(path):
-            # Remote storage (an fsspec URL) is upstream's to read; the shard-local loader reads local files.
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if not state:
             raise ValueError(
                 f"Got {type(self).__name__}.load_checkpoint(..., state={state!r}) but a state with at least "
@@ -234,9 +230,11 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
                 raise
             raise refused from unexpected_cause(refused.cause)
 
-    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
+    def load_options(
+        self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
+    ) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
-        return load_options(self, rename)
+        return load_options(self, rename, storage_options)
 
 
 @contextmanager

@@ -30,7 +30,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
 from lightning.fabric.strategies import fsdp as _upstream
 from lightning.fabric.strategies.strategy import _apply_filter
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.nn import Module
@@ -274,7 +273,9 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         The arguments are checked as upstream checks them, with upstream's exception types and messages. A path that
         upstream refuses too (neither a file nor a directory of checkpoint shards) and that holds nothing this method
         reads raises a :class:`~lightning_fsdp.CheckpointPathError`, both a ``ValueError`` (upstream's type) and a
-        ``CheckpointLoadError``. A remote path (an fsspec URL such as ``s3://...``) is left to upstream's method.
+        ``CheckpointLoadError``. A remote file (an fsspec URL such as ``s3://...``, with the ``storage_options`` of
+        :meth:`load_options`) is read the same way, each rank fetching only its own byte ranges; a remote sharded
+        directory is refused.
 
         Args:
             path: A checkpoint file or directory.
@@ -286,9 +287,6 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 ``False`` only for a file you trust: unpickling can run code.
 
         """
-        if not _is_local_file_protocol(path):
-            # Remote storage (an fsspec URL) is upstream's to read; the shard-local loader reads local files.
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         state, module_key = _checked_state(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
         # broadcast the path from rank 0 to ensure all the states are loaded from a common path (with the namespace of
@@ -304,7 +302,9 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 raise
             raise refused from unexpected_cause(refused.cause)
 
-    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:
+    def load_options(
+        self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
+    ) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block: ``fabric.load`` and ``fabric.load_raw`` take none.
 
         Example::
@@ -320,11 +320,15 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 (``None``), a single prefix that makes every model tensor match is removed or added automatically,
                 and rank 0 says so. Checkpoint files only: a sharded checkpoint is refused with a rename.
 
+            storage_options: Options of the fsspec file system that reads a checkpoint URL (``s3://...``), such as
+                ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for ``s3fs``. By default fsspec's usual
+                configuration applies (environment variables, the provider's config files).
+
         Raises:
-            TypeError: If ``rename`` is neither a mapping of prefixes nor a callable.
+            TypeError: If ``rename`` is neither a mapping of prefixes nor a callable, or ``storage_options`` not a dict.
 
         """
-        return load_options(self, rename)
+        return load_options(self, rename, storage_options)
 
     def _set_up_on_cpu(self) -> bool:
         # Upstream reads `root_device` only once the devices are set; a strategy built without them is never on CPU.

@@ -42,8 +42,22 @@ INTENDED_CHANGES = {
     # Materialised tensors that nothing initialised are NaN; the warning names them when a load leaves them unwritten.
     "test_meta_device_materialization": "the warning about uninitialised tensors comes with the load, by name",
 }
-#: On the patched tree only: the connector's GPU-only check for FSDP is removed.
-INTENDED_CHANGES_PATCHED = {**INTENDED_CHANGES, "test_fsdp_unsupported_on_cpu": "FSDP runs on CPU (gloo)"}
+#: On the patched tree only: the connector's GPU-only check for FSDP is removed. Master's tests of its remote branch
+#: (fsspec URLs, read whole through `cloud_io._load`, which they mock) meet the shard-local remote reader instead: a
+#: remote file is read by byte ranges, with `weights_only=True` unless `weights_only=False` is passed, and a remote
+#: sharded directory is refused. The release's tests have none of these; only the tests a run collects are expected.
+INTENDED_CHANGES_PATCHED = {
+    **INTENDED_CHANGES,
+    "test_fsdp_unsupported_on_cpu": "FSDP runs on CPU (gloo)",
+    "test_load_full_checkpoint_remote_allows_non_tensor_objects": "a remote file is read by byte ranges, weights-only",
+    "test_load_full_checkpoint_remote_honors_explicit_weights_only": "a remote file is read by byte ranges",
+    "test_load_sharded_checkpoint_metadata_weights_only": "a remote sharded directory is refused",
+}
+
+
+def _expected_failures(intended: dict[str, str], outcomes: dict[str, list[str]]) -> list[str]:
+    collected = {name for names in outcomes.values() for name in names}
+    return sorted(name for name in intended if name in collected)
 
 
 def _run_lightning_tests(files: tuple[str, ...], pythonpath: list[Path], plugin: str | None, out: Path) -> dict:
@@ -68,7 +82,7 @@ def _run_lightning_tests(files: tuple[str, ...], pythonpath: list[Path], plugin:
 def test_lightnings_strategy_tests_against_this_package(tmp_path):
     """Upstream's tests of both strategies, with `FSDPStrategy` and `ModelParallelStrategy` being this package's."""
     outcomes = _run_lightning_tests(STRATEGY_TESTS, [_SRC, _PLUGIN_DIR], "redirect_strategies", tmp_path)
-    assert sorted(outcomes["failed"]) == sorted(INTENDED_CHANGES)
+    assert sorted(outcomes["failed"]) == _expected_failures(INTENDED_CHANGES, outcomes)
 
 
 @pytest.mark.skipif(_CHECKOUT is None, reason="set LIGHTNING_TESTS to a checkout of Lightning to run its tests")
@@ -87,4 +101,4 @@ def test_lightnings_tests_on_the_patched_tree(tmp_path):
         tree = installed_lightning_tree(tmp_path / "lightning")
     plan(tree).write()
     outcomes = _run_lightning_tests(PATCHED_TREE_TESTS, [tree / "src"], None, tmp_path)
-    assert sorted(outcomes["failed"]) == sorted(INTENDED_CHANGES_PATCHED)
+    assert sorted(outcomes["failed"]) == _expected_failures(INTENDED_CHANGES_PATCHED, outcomes)

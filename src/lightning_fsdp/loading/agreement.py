@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from lightning_fsdp.loading.errors import CheckpointLoadError, unexpected_cause
+from lightning_fsdp.loading.errors import CheckpointLoadError, described, unexpected_cause
 
 #: Where the agreements' keys live in the store.
 _KEY_ROOT = "lightning_fsdp/agreement"
@@ -305,7 +305,7 @@ class Agreement:
         if self._published or self._store is None or _reports_others(error, self._rank):
             return
         self._published = True
-        message = str(error) if isinstance(error, CheckpointLoadError) else f"{type(error).__name__}: {error}"
+        message = described(error)
         if len(message) > _MAX_MESSAGE_CHARS:
             message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
         self._append_failure(self._rank, message, self._agreements)
@@ -445,6 +445,10 @@ class _Heartbeat:
         self._store = store
         self._key = key
         self._stopped = threading.Event()
+        # The first beat before this returns: a rank killed right after it entered a block has joined it, and is named
+        # as having stopped responding, not as never having joined.
+        with suppress(RuntimeError):  # the store is gone: the main thread reports it at its next operation
+            self._store.add(self._key, 1)
         self._thread = threading.Thread(target=self._beat, name="lightning_fsdp-heartbeat", daemon=True)
         self._thread.start()
 
@@ -455,13 +459,11 @@ class _Heartbeat:
         self._thread.join(timeout=5 * _HEARTBEAT_S)
 
     def _beat(self) -> None:
-        while True:
+        while not self._stopped.wait(_HEARTBEAT_S):
             try:
                 self._store.add(self._key, 1)
             except RuntimeError:
                 return  # the store is gone: the main thread reports it at its next operation
-            if self._stopped.wait(_HEARTBEAT_S):
-                return
 
 
 class _Liveness:

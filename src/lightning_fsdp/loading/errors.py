@@ -6,7 +6,7 @@ forges a log line. Such text reaches a message only through :func:`printable`, :
 text) or :func:`quoted_names` (names), or as ``repr`` quotes it (``{name!r}``).
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 #: Names listed in one message, before ``... (N more)``.
@@ -82,8 +82,21 @@ def first_line(error: BaseException) -> str:
     return printable(text.split("\n", 1)[0][:500]) if text else type(error).__name__
 
 
+def described(error: BaseException) -> str:
+    """``error`` for a message: its type and text, escaped, or a ``CheckpointLoadError``'s text as it is.
+
+    A library's error may quote the file's text; a ``CheckpointLoadError`` has its file text escaped already.
+
+    """
+    return str(error) if isinstance(error, CheckpointLoadError) else printable(f"{type(error).__name__}: {error}")
+
+
 def quoted_names(names: Iterable[Any]) -> str:
     """The first :data:`SHOWN_NAMES` of ``names``, each quoted by ``repr``, and how many more there are."""
-    names = list(names)
-    shown = ", ".join(repr(name) for name in names[:SHOWN_NAMES])
-    return shown + (f", ... ({len(names) - SHOWN_NAMES} more)" if len(names) > SHOWN_NAMES else "")
+    return shown_items([repr(name) for name in names])
+
+
+def shown_items(items: Sequence[str]) -> str:
+    """The first :data:`SHOWN_NAMES` of ``items`` (formatted, file text escaped), and how many more there are."""
+    shown = ", ".join(items[:SHOWN_NAMES])
+    return shown + (f", ... ({len(items) - SHOWN_NAMES} more)" if len(items) > SHOWN_NAMES else "")

@@ -10,18 +10,29 @@ Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.remote import RemoteFile, RemotePath
+
+#: What the loader reads: a local file, or an object in object storage (:mod:`~lightning_fsdp.loading.remote`).
+CheckpointPath = Path | RemotePath
+#: An open file: a file descriptor, or an object opened for ranged reads.
+OpenFile = int | RemoteFile
 
 
-def require_regular_file(path: Path, what: str = "checkpoint file") -> os.stat_result:
+def require_regular_file(path: CheckpointPath, what: str = "checkpoint file") -> Any:
     """Return the ``stat`` of ``path`` (symbolic links followed), or raise if it is not a regular file.
 
     Raises:
         CheckpointLoadError: If the path does not exist, or is a FIFO, socket, device or directory.
 
     """
+    if isinstance(path, RemotePath):
+        return path.stat(what)
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -38,7 +49,49 @@ def require_regular_file(path: Path, what: str = "checkpoint file") -> os.stat_r
     return info
 
 
-def read_exactly(file: int, offset: int, buffer: memoryview, path: Path, what: str) -> None:
+def open_file(path: CheckpointPath) -> OpenFile:
+    """Open ``path`` for positioned reads (a local file: without following it into a FIFO's blocking open)."""
+    if isinstance(path, RemotePath):
+        return RemoteFile(path)
+    return os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+
+
+def close_file(file: OpenFile) -> None:
+    """Close what :func:`open_file` opened."""
+    if isinstance(file, RemoteFile):
+        file.close()
+    else:
+        os.close(file)
+
+
+@contextmanager
+def open_stream(path: CheckpointPath) -> Iterator[BinaryIO]:
+    """A buffered binary stream over ``path`` (for ``zipfile``, the pickles and ``torch.load``)."""
+    if isinstance(path, RemotePath):
+        with RemoteFile(path).stream() as stream:
+            yield stream
+    else:
+        with open(path, "rb") as stream:
+            yield stream
+
+
+@contextmanager
+def file_stream(file: OpenFile) -> Iterator[BinaryIO]:
+    """A binary stream over a file already open (it stays open after the stream is closed)."""
+    if isinstance(file, RemoteFile):
+        with file.stream() as stream:
+            yield stream
+    else:
+        with open(file, "rb", closefd=False) as stream:
+            yield stream
+
+
+def lexists(path: CheckpointPath) -> bool:
+    """Whether anything is at ``path``, even a dangling symbolic link."""
+    return path.exists() if isinstance(path, RemotePath) else os.path.lexists(path)
+
+
+def read_exactly(file: OpenFile, offset: int, buffer: memoryview, path: CheckpointPath, what: str) -> None:
     """Fill ``buffer`` with the bytes of the open file descriptor ``file`` that start at ``offset``.
 
     Raises:
@@ -46,6 +99,9 @@ def read_exactly(file: int, offset: int, buffer: memoryview, path: Path, what: s
             being read), or cannot be read.
 
     """
+    if isinstance(file, RemoteFile):
+        file.read_into(offset, buffer, what)
+        return
     done = 0
     total = len(buffer)
     while done < total:

@@ -10,8 +10,8 @@ Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 
 import itertools
 import json
-import os
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path, PurePosixPath
@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line, quoted_names
-from lightning_fsdp.loading.files import require_regular_file
+from lightning_fsdp.loading.files import CheckpointPath, lexists, open_stream, require_regular_file
 from lightning_fsdp.loading.legacy import read_legacy_structure
+from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.safetensors_header import read_safetensors_locations
 from lightning_fsdp.loading.sources import (
     MAX_TENSORS,
@@ -92,7 +93,7 @@ class DetectedCheckpoint:
         return pickled and not weights_only
 
 
-def detect_checkpoint(path: str | Path) -> DetectedCheckpoint:
+def detect_checkpoint(path: str | CheckpointPath) -> DetectedCheckpoint:
     """Find out which checkpoint format ``path`` holds, from its content rather than its name.
 
     Raises:
@@ -100,7 +101,7 @@ def detect_checkpoint(path: str | Path) -> DetectedCheckpoint:
             nothing the loader can read. The message says what was found.
 
     """
-    path = Path(path)
+    path = path if isinstance(path, RemotePath) else Path(path)
     if not path.exists():
         raise CheckpointLoadError(
             f"The checkpoint path {str(path)!r} does not exist (no such file or directory). Pass the path of a"
@@ -118,7 +119,7 @@ def detect_checkpoint(path: str | Path) -> DetectedCheckpoint:
 
 def _detect_directory(path: Path) -> DetectedCheckpoint:
     # lexists: a `.metadata` that is a FIFO or a dangling link still marks a sharded checkpoint (and is refused there).
-    if os.path.lexists(path / DCP_METADATA_FILENAME) or os.path.lexists(path / FABRIC_METADATA_FILENAME):
+    if lexists(path / DCP_METADATA_FILENAME) or lexists(path / FABRIC_METADATA_FILENAME):
         return DetectedCheckpoint(path, CheckpointFormat.FABRIC_SHARDED, tuple(sorted(p for p in path.iterdir())))
     indexes = [path / name for name in _HF_INDEX_FILES if (path / name).exists()]
     indexes += sorted(p for p in path.glob("*.index.json") if p not in indexes)
@@ -140,7 +141,7 @@ def _sniff_file(path: Path) -> CheckpointFormat:
     size = require_regular_file(path).st_size
     if size == 0:
         raise CheckpointLoadError(f"The checkpoint file {str(path)!r} is empty (0 bytes). Was the save interrupted?")
-    with open(path, "rb") as file:
+    with open_stream(path) as file:
         head = file.read(16)
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         return CheckpointFormat.TORCH_ZIP
@@ -157,7 +158,7 @@ def _sniff_file(path: Path) -> CheckpointFormat:
     )
 
 
-def read_index(path: Path) -> dict[str, str]:
+def read_index(path: CheckpointPath) -> dict[str, str]:
     """The ``weight_map`` of a Hugging Face index: tensor name -> the name of the shard file (next to the index).
 
     The index is read once, and refused before it is parsed when it is larger than :data:`MAX_INDEX_BYTES` or could
@@ -171,7 +172,7 @@ def read_index(path: Path) -> dict[str, str]:
     """
     size = require_regular_file(path, "index file").st_size
     if size <= MAX_INDEX_BYTES:
-        with open(path, "rb") as file:
+        with open_stream(path) as file:
             data = file.read(MAX_INDEX_BYTES + 1)  # never more than the limit, even if the file grew meanwhile
         size = len(data)
     if size > MAX_INDEX_BYTES:
@@ -231,8 +232,9 @@ def load_torch_file(path: Path, weights_only: bool) -> Any:
 
     """
     require_regular_file(path)
-    with unpickling_errors(path, weights_only):
-        return torch.load(path, map_location="cpu", mmap=False, weights_only=weights_only)
+    with unpickling_errors(path, weights_only), ExitStack() as stack:
+        source = stack.enter_context(open_stream(path)) if isinstance(path, RemotePath) else path
+        return torch.load(source, map_location="cpu", mmap=False, weights_only=weights_only)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.files import read_exactly, require_regular_file
+from lightning_fsdp.loading.files import close_file, open_file, open_stream, read_exactly, require_regular_file
 from lightning_fsdp.loading.torch_pickle import StorageBytes, TorchFileStructure, unpickler_class, unpickling_errors
 
 _MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -57,8 +57,8 @@ def read_legacy_structure(path: Path, weights_only: bool) -> TorchFileStructure:
             views[cdata] = (key, offset * dtype.itemsize, view_numel * dtype.itemsize)
         return view_storages[view_key]
 
-    with unpickling_errors(path, weights_only), open(path, "rb") as file:
-        if os.fstat(file.fileno()).st_ino != info.st_ino:
+    with unpickling_errors(path, weights_only), open_stream(path) as file:
+        if isinstance(path, Path) and os.fstat(file.fileno()).st_ino != info.st_ino:
             raise CheckpointLoadError(f"The file {str(path)!r} was replaced while it was being opened. Try again.")
         if unpickler(file).load() != _MAGIC_NUMBER:
             raise CheckpointLoadError(f"The file {str(path)!r} is a pickle, but not a `torch.save` checkpoint.")
@@ -75,11 +75,12 @@ def read_legacy_structure(path: Path, weights_only: bool) -> TorchFileStructure:
         position = file.tell()
     storages: dict[int, StorageBytes] = {}
     root_offsets: dict[str, int] = {}
-    with open(path, "rb", buffering=0) as file:
+    file = open_file(path)
+    try:
         for key in keys:
             storage = roots[key]
             count = bytearray(_COUNT.size)
-            read_exactly(file.fileno(), position, memoryview(count), path, f"the size of storage {key!r}")
+            read_exactly(file, position, memoryview(count), path, f"the size of storage {key!r}")
             (numel,) = _COUNT.unpack(count)
             nbytes = storage._untyped_storage.nbytes()
             if numel * storage.dtype.itemsize != nbytes:
@@ -96,6 +97,8 @@ def read_legacy_structure(path: Path, weights_only: bool) -> TorchFileStructure:
             storages[storage._untyped_storage._cdata] = StorageBytes(position, nbytes)
             root_offsets[key] = position
             position += nbytes
+    finally:
+        close_file(file)
     for cdata, (key, offset, nbytes) in views.items():
         root = roots[key]._untyped_storage.nbytes()
         if offset < 0 or offset + nbytes > root:

@@ -19,13 +19,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.conversions import with_declared_conversions
-from lightning_fsdp.loading.errors import CheckpointLoadError, unexpected_cause
+from lightning_fsdp.loading.errors import CheckpointLoadError, described, quoted_names, unexpected_cause
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.materialize import init_record
 from lightning_fsdp.loading.optimizer import local_optimizer_state
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
+from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.shard_local import (
     ModuleTargets,
     ShardLocalUnsupported,
@@ -38,7 +39,7 @@ from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_c
 from lightning_fsdp.loading.sources import TensorSource, materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
-from lightning_fsdp.loading.validation import NamePlan, Rename, TargetSpec, _names, check_whole_module, plan_load
+from lightning_fsdp.loading.validation import NamePlan, Rename, TargetSpec, check_whole_module, plan_load
 
 
 @dataclass(frozen=True)
@@ -191,10 +192,11 @@ def _load_file(
                 if request.optimizers
                 else "The model on the failing rank is"
             )
+            reason = described(error).rstrip(".")
             failure = CheckpointLoadError(
-                f"Writing the checkpoint into the model failed after it was validated: {error} {what} now partially"
-                " loaded, and the other ranks may have loaded fully, so the ranks differ: load the checkpoint again"
-                " before using the model.",
+                f"Writing the checkpoint into the model failed after it was validated: {reason}. {what} now"
+                " partially loaded, and the other ranks may have loaded fully, so the ranks differ: load the checkpoint"
+                " again before using the model.",
                 cause=error,
             )
             raise failure from unexpected_cause(error)
@@ -213,6 +215,12 @@ def _load_file(
 
 
 def _load_sharded(path: Path, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
+    if isinstance(path, RemotePath):
+        raise CheckpointLoadError(
+            f"{str(path)!r} is a sharded checkpoint in object storage, which lightning-fsdp does not read remotely yet"
+            " (its files and their pickles are read through torch's distributed checkpoint reader). Copy the directory"
+            " to a local or shared file system and load it from there."
+        )
     if request.rename is not None:
         raise CheckpointLoadError(
             f"{str(path)!r} is a sharded checkpoint, whose tensors are read by their names in the model: `rename`"
@@ -391,11 +399,11 @@ def _warn_uninitialized(path: Path, module: Module, written: frozenset[str] | No
     names = sorted(record.uninitialized)
     rank_zero_warn(
         f"After loading {str(path)!r}, the model still holds {len(names)} tensor(s) that nothing initialised:"
-        f" {_names(names)}. `fabric.init_module(empty_init=True)` created them on the meta device, and neither their"
-        " module's `reset_parameters()` nor the model's own initialisation (`_init_weights` of a Hugging Face model)"
-        " nor this checkpoint wrote them, so they hold NaN (floating point) or arbitrary values. Load a checkpoint"
-        " that holds them, or give their modules a `reset_parameters()` that sets them (a non-persistent buffer,"
-        " which no checkpoint holds, must be set there)."
+        f" {quoted_names(names)}. `fabric.init_module(empty_init=True)` created them on the meta device, and neither"
+        " their module's `reset_parameters()` nor the model's own initialisation (`_init_weights` of a Hugging Face"
+        " model) nor this checkpoint wrote them, so they hold NaN (floating point) or arbitrary values. Load a"
+        " checkpoint that holds them, or give their modules a `reset_parameters()` that sets them (a non-persistent"
+        " buffer, which no checkpoint holds, must be set there)."
     )
 
 

@@ -12,6 +12,8 @@ from typing import NamedTuple, Protocol, TextIO
 
 from tqdm import tqdm
 
+from lightning_fsdp.loading.remote import fetched_bytes
+
 #: Set to ``0`` to turn the bar off, or to ``1`` to show it even when the output is not a terminal.
 PROGRESS_ENV_VAR = "LIGHTNING_FSDP_PROGRESS"
 _OFF_VALUES = ("0", "false", "no", "off")
@@ -34,6 +36,8 @@ class NodeSnapshot(NamedTuple):
     total_tensors: int
     turn: tuple[int, int] | None
     """``(index, count)`` of the turn the node is in (0-based), ``None`` before the first turn."""
+    fetched: int = 0
+    """The bytes the node's ranks fetched from object storage (:mod:`~lightning_fsdp.loading.remote`)."""
 
 
 class NodeChannel(Protocol):
@@ -41,7 +45,7 @@ class NodeChannel(Protocol):
 
     def add_totals(self, total_bytes: int, total_tensors: int) -> None: ...
 
-    def exchange(self, bytes_done: int, tensors_done: int, read: bool) -> NodeSnapshot | None: ...
+    def exchange(self, bytes_done: int, tensors_done: int, read: bool, fetched: int = 0) -> NodeSnapshot | None: ...
 
 
 class LoadProgress:
@@ -98,6 +102,8 @@ class LoadProgress:
         self._pending_bytes = 0
         self._pending_tensors = 0
         self._turn: tuple[int, int] | None = None
+        self._fetched_reported = fetched_bytes()
+        self._fetched_start = self._fetched_reported
         self._channel: NodeChannel | None = None
         self._snapshot: NodeSnapshot | None = None
         self._last_exchange = -math.inf
@@ -136,7 +142,8 @@ class LoadProgress:
             return
         now = time.monotonic()
         if self._channel is not None and (force or now - self._last_exchange >= _EXCHANGE_INTERVAL_S):
-            snapshot = self._channel.exchange(self._pending_bytes, self._pending_tensors, read=self._shown)
+            fetched, self._fetched_reported = fetched_bytes() - self._fetched_reported, fetched_bytes()
+            snapshot = self._channel.exchange(self._pending_bytes, self._pending_tensors, self._shown, fetched)
             self._pending_bytes = self._pending_tensors = 0
             self._last_exchange = now
             if snapshot is not None:
@@ -180,9 +187,11 @@ class LoadProgress:
             done_bytes = snapshot.bytes_done + self._pending_bytes
             done_tensors = snapshot.tensors_done + self._pending_tensors
             total_bytes, total_tensors, turn = snapshot.total_bytes, snapshot.total_tensors, snapshot.turn
+            fetched = snapshot.fetched
         else:
             done_bytes, done_tensors = self._bytes_done, self._tensors_done
             total_bytes, total_tensors, turn = self._total_bytes, self._total_tensors, self._turn
+            fetched = fetched_bytes() - self._fetched_start
         if self._bar is None:
             self._bar = tqdm(
                 desc=self._description,
@@ -203,6 +212,8 @@ class LoadProgress:
         postfix = f"tensors {done_tensors}" + (f"/{total_tensors}" if total_tensors else "")
         if turn is not None:
             postfix += f", turn {turn[0] + 1}/{turn[1]}"
+        if fetched:
+            postfix += f", fetched {tqdm.format_sizeof(fetched, 'B', 1024)}"
         changed = postfix != bar.postfix
         bar.set_postfix_str(postfix, refresh=False)
         # ``update`` (not assigning ``n``) keeps tqdm's rate estimate right; it redraws at most every ``mininterval``.

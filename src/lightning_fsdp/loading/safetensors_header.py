@@ -10,14 +10,13 @@ Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line
-from lightning_fsdp.loading.files import read_exactly, require_regular_file
+from lightning_fsdp.loading.files import close_file, open_file, read_exactly, require_regular_file
 from lightning_fsdp.loading.sources import MAX_TENSORS, TensorLocation, TensorSpec
 
 #: The safetensors library refuses larger headers (its ``MAX_HEADER_SIZE``); so does this reader.
@@ -53,7 +52,7 @@ def read_safetensors_locations(path: Path) -> dict[str, TensorLocation]:
 
     """
     file_size = require_regular_file(path).st_size
-    file = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    file = open_file(path)
     try:
         if file_size < _HEADER_SIZE_BYTES:
             raise _invalid(path, "it is shorter than the 8-byte header size")
@@ -71,7 +70,7 @@ def read_safetensors_locations(path: Path) -> dict[str, TensorLocation]:
         header_bytes = bytearray(header_size)
         read_exactly(file, _HEADER_SIZE_BYTES, memoryview(header_bytes), path, "the header")
     finally:
-        os.close(file)
+        close_file(file)
     # Every entry has one "data_offsets" key: counting them costs a scan of the bytes, checking them one by one far
     # more. A name that spells the key can only make the count larger, never hide an entry.
     tensors = header_bytes.count(b'"data_offsets"')

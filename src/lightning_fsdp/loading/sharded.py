@@ -52,7 +52,13 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.errors import CheckpointLoadError, printable, unexpected_cause
+from lightning_fsdp.loading.errors import (
+    CheckpointLoadError,
+    printable,
+    quoted_names,
+    shown_items,
+    unexpected_cause,
+)
 from lightning_fsdp.loading.files import require_regular_file
 from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
@@ -61,7 +67,6 @@ from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 
 _T = TypeVar("_T")
-_SHOWN = 5
 _WEIGHTS_ONLY_REASON = "WeightsUnpickler error:"
 #: The classes that torch pickles into a DCP ``.metadata`` file (``torch.distributed.checkpoint.metadata`` and the
 #: file system reader's storage records), and the plain types they hold. Nothing else may be unpickled from it.
@@ -178,7 +183,7 @@ def read_dcp_metadata(path: Path, weights_only: bool = True) -> Metadata:
         problems = [f"a record is incomplete ({first_line(error)})"]
     if problems:
         raise CheckpointLoadError(
-            f"The metadata file {str(file)!r} of the sharded checkpoint is not valid: {_first(problems)}. It is"
+            f"The metadata file {str(file)!r} of the sharded checkpoint is not valid: {shown_items(problems)}. It is"
             " corrupt or was crafted: re-copy or re-save the checkpoint."
         )
     return metadata
@@ -357,10 +362,10 @@ def _group_differences(saved: list[Any], expected: list[list[str]]) -> str:
     stored = {name for name in saved_names if isinstance(name, str)}
     unknown = [name for name in saved_names if not isinstance(name, str) or name not in known]
     if unknown:
-        differences.append(f"not in the optimizer: {_names(unknown)}")
+        differences.append(f"not in the optimizer: {quoted_names(unknown)}")
     absent = [name for group in expected for name in group if name not in stored]
     if absent:
-        differences.append(f"not in the checkpoint: {_names(absent)}")
+        differences.append(f"not in the checkpoint: {quoted_names(absent)}")
     if not unknown and not absent:
         differences.append("the same names, grouped or ordered differently")
     return "; ".join(differences)
@@ -668,13 +673,13 @@ def _check_against_model(
 
     problems = []
     if strict and missing:
-        problems.append(f"{len(missing)} missing key(s), in the model but not the checkpoint: {_names(missing)}")
+        problems.append(f"{len(missing)} missing key(s), in the model but not the checkpoint: {quoted_names(missing)}")
     if strict and unexpected:
         problems.append(
-            f"{len(unexpected)} unexpected key(s), in the checkpoint but not the model: {_names(unexpected)}"
+            f"{len(unexpected)} unexpected key(s), in the checkpoint but not the model: {quoted_names(unexpected)}"
         )
     if mismatches:
-        problems.append(f"{len(mismatches)} entr(y/ies) that cannot be loaded: {_first(mismatches)}")
+        problems.append(f"{len(mismatches)} entr(y/ies) that cannot be loaded: {shown_items(mismatches)}")
     if problems:
         fix = " To load only the tensors that match, pass `strict=False`." if strict and not mismatches else ""
         raise CheckpointLoadError(
@@ -684,9 +689,9 @@ def _check_against_model(
         )
     skipped = []
     if missing:
-        skipped.append(f"{len(missing)} missing key(s) left as they were ({_names(missing)})")
+        skipped.append(f"{len(missing)} missing key(s) left as they were ({quoted_names(missing)})")
     if unexpected:
-        skipped.append(f"{len(unexpected)} unexpected key(s) ignored ({_names(unexpected)})")
+        skipped.append(f"{len(unexpected)} unexpected key(s) ignored ({quoted_names(unexpected)})")
     return "; ".join(skipped)
 
 
@@ -767,12 +772,3 @@ def _unpickling_reason(error: BaseException) -> str:
 
 def _shape(shape: tuple[int, ...]) -> str:
     return f"({', '.join(map(str, shape))})" if len(shape) != 1 else f"({shape[0]},)"
-
-
-def _names(names: Sequence[str]) -> str:
-    return _first([repr(name) for name in names])
-
-
-def _first(items: Sequence[str]) -> str:
-    shown = ", ".join(items[:_SHOWN])
-    return shown + (f", ... ({len(items) - _SHOWN} more)" if len(items) > _SHOWN else "")

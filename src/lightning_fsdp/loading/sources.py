@@ -23,7 +23,15 @@ from typing import Any
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.files import read_exactly, require_regular_file
+from lightning_fsdp.loading.files import (
+    CheckpointPath,
+    OpenFile,
+    close_file,
+    open_file,
+    read_exactly,
+    require_regular_file,
+)
+from lightning_fsdp.loading.remote import RemoteFile, RemotePath
 
 #: Reads at least this large get an anonymous mapping of their own (see :meth:`ByteRangeSource.read_flat`).
 _OWN_MAPPING_BYTES = 2**20
@@ -86,7 +94,7 @@ class TensorSource(ABC):
 class TensorLocation:
     """Where a tensor's elements are in a file: a storage's byte range, and the tensor's place in that storage."""
 
-    file: Path
+    file: CheckpointPath
     storage_offset: int
     """Absolute byte offset of the storage's first byte in ``file``."""
     storage_nbytes: int
@@ -123,7 +131,7 @@ class ByteRangeSource(TensorSource):
     def __init__(self, locations: Mapping[str, TensorLocation]) -> None:
         self._locations = dict(locations)
         self._specs = {name: location.spec for name, location in self._locations.items()}
-        self._files: dict[Path, tuple[int, os.stat_result]] = {}
+        self._files: dict[CheckpointPath, tuple[OpenFile, Any]] = {}
         try:
             for name, location in self._locations.items():
                 location.check(name, self._open(location.file)[1].st_size)
@@ -131,12 +139,15 @@ class ByteRangeSource(TensorSource):
             self.close()
             raise
 
-    def _open(self, path: Path) -> tuple[int, os.stat_result]:
+    def _open(self, path: CheckpointPath) -> tuple[OpenFile, Any]:
         if path not in self._files:
-            require_regular_file(path)
+            info = require_regular_file(path)
+            if isinstance(path, RemotePath):
+                self._files[path] = (open_file(path), info)
+                return self._files[path]
             # O_NONBLOCK: should the path have become a FIFO since the check, opening it must not block.
             try:
-                file = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+                file = open_file(path)
             except OSError as error:
                 raise CheckpointLoadError(
                     f"The checkpoint file {str(path)!r} cannot be opened: {error.strerror or error}."
@@ -197,10 +208,16 @@ class ByteRangeSource(TensorSource):
         """Fill ``destination`` with the elements of ``name``'s storage from element ``first`` on."""
         file, _ = self._open(location.file)
         offset = location.storage_offset + first * location.spec.dtype.itemsize
+        if isinstance(file, RemoteFile):  # exactly the slice's bytes, not the blocks that hold them
+            file.read_into(offset, destination, f"the tensor {name!r}", cached=False)
+            return
         read_exactly(file, offset, destination, location.file, f"the tensor {name!r}")
 
     def check_unchanged(self) -> None:
         for path, (file, opened) in self._files.items():
+            if isinstance(file, RemoteFile):
+                file.check_unchanged()
+                continue
             now = os.fstat(file)
             try:
                 at_path = os.stat(path)
@@ -216,7 +233,7 @@ class ByteRangeSource(TensorSource):
 
     def close(self) -> None:
         for file, _ in self._files.values():
-            os.close(file)
+            close_file(file)
         self._files.clear()
 
 

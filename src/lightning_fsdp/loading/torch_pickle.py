@@ -9,7 +9,6 @@ Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
 import io
-import os
 import pickle
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line, quoted_names
-from lightning_fsdp.loading.files import require_regular_file
+from lightning_fsdp.loading.files import close_file, open_file, require_regular_file
 from lightning_fsdp.loading.sources import TensorLocation, TensorSpec
 from lightning_fsdp.loading.zip_records import read_record, read_zip_records, verify_record_crc
 
@@ -83,7 +82,7 @@ def read_zip_structure(path: Path, weights_only: bool, verify_crc: bool = False)
 
     """
     info = require_regular_file(path)
-    file = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    file = open_file(path)
     try:
         records = read_zip_records(path, file, info.st_size)
         pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]
@@ -137,7 +136,7 @@ def read_zip_structure(path: Path, weights_only: bool, verify_crc: bool = False)
             content = unpickler.load()
         return TorchFileStructure(path, content, storages)
     finally:
-        os.close(file)
+        close_file(file)
 
 
 def unpickler_class(weights_only: bool) -> type:

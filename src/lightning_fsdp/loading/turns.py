@@ -26,7 +26,7 @@ from lightning_fsdp.loading.memory import available_memory, return_freed_memory
 from lightning_fsdp.loading.progress import LoadProgress, NodeSnapshot
 
 #: The keys of a node's progress in the store, besides ``ranks`` (how many ranks have added their totals).
-_TOTALS_KEYS = ("bytes", "tensors", "total_bytes", "total_tensors")
+_TOTALS_KEYS = ("bytes", "tensors", "total_bytes", "total_tensors", "fetched")
 #: The share of the memory available to the node that ``load_concurrency="auto"`` lets the copies of a source take.
 _AUTO_MEMORY_FRACTION = 0.8
 
@@ -314,13 +314,16 @@ class _StoreNodeChannel:
 
     def add_totals(self, total_bytes: int, total_tensors: int) -> None:
         # Every key exists once this rank's ``add`` ran, so ``exchange`` reads them all in one request.
-        amounts = {"bytes": 0, "tensors": 0, "total_bytes": total_bytes, "total_tensors": total_tensors, "ranks": 1}
+        amounts = {"bytes": 0, "tensors": 0, "total_bytes": total_bytes, "total_tensors": total_tensors, "fetched": 0}
+        amounts["ranks"] = 1
         with suppress(RuntimeError):  # progress is best effort; the schedule reports a lost store
             for key, amount in amounts.items():
                 self._store.add(key, amount)
 
-    def exchange(self, bytes_done: int, tensors_done: int, read: bool) -> NodeSnapshot | None:
+    def exchange(self, bytes_done: int, tensors_done: int, read: bool, fetched: int = 0) -> NodeSnapshot | None:
         try:
+            if fetched:
+                self._store.add("fetched", fetched)
             if bytes_done:
                 self._store.add("bytes", bytes_done)
             if tensors_done:
@@ -328,7 +331,9 @@ class _StoreNodeChannel:
             if not read:
                 return None
             keys = [*_TOTALS_KEYS, "ranks"]
-            done_bytes, done_tensors, total_bytes, total_tensors, ranks = map(int, self._store.multi_get(keys))
+            done_bytes, done_tensors, total_bytes, total_tensors, node_fetched, ranks = map(
+                int, self._store.multi_get(keys)
+            )
             turn = None
             if self._turn_store is not None:
                 started = int(self._turn_store.add("started", 0))
@@ -337,7 +342,7 @@ class _StoreNodeChannel:
             return None
         if ranks < self._local_world_size:  # the node's totals are known once every rank has added its own
             total_bytes = total_tensors = 0
-        return NodeSnapshot(done_bytes, done_tensors, total_bytes, total_tensors, turn)
+        return NodeSnapshot(done_bytes, done_tensors, total_bytes, total_tensors, turn, node_fetched)
 
 
 def _turn_of(local_rank: int, local_world_size: int, concurrency: int) -> Turn:

@@ -19,7 +19,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import SHOWN_NAMES, CheckpointLoadError, quoted_names, shown_items
 from lightning_fsdp.loading.sources import TensorSpec
 
 Rename = Callable[[str], str | None] | Mapping[str, str | None]
@@ -29,7 +29,6 @@ Rename = Callable[[str], str | None] | Mapping[str, str | None]
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "_forward_module.", "_fsdp_wrapped_module.")
 #: How many of the most common first name components of each side are tried as prefixes.
 _DATA_PREFIXES = 16
-_SHOWN = 5
 #: How to pass a rename through Fabric, whose ``load`` and ``load_raw`` take no loader options.
 _RENAME_USAGE = (
     "(`rename` is an option of the loader: with Fabric, call `fabric.load` or `fabric.load_raw` inside"
@@ -67,7 +66,7 @@ class DeclinedAlignment:
         leaving_out: dict[str, str | None] = {**self.rename, **dict.fromkeys(exact_names)}
         prefer_renamed = (
             f"`rename={leaving_out!r}` loads the renamed tensors and leaves out the exactly named ones"
-            if len(exact_names) <= _SHOWN
+            if len(exact_names) <= SHOWN_NAMES
             else f"`rename={self.rename!r}` with `strict=False` loads the renamed tensors"
         )
         return (
@@ -95,9 +94,9 @@ class NamePlan:
     def skipped_summary(self) -> str:
         parts = []
         if self.missing:
-            parts.append(f"{len(self.missing)} missing key(s) left as they were ({_names(self.missing)})")
+            parts.append(f"{len(self.missing)} missing key(s) left as they were ({quoted_names(self.missing)})")
         if self.unexpected:
-            parts.append(f"{len(self.unexpected)} unexpected key(s) ignored ({_names(self.unexpected)})")
+            parts.append(f"{len(self.unexpected)} unexpected key(s) ignored ({quoted_names(self.unexpected)})")
         if parts and self.declined is not None:
             parts.append(f"names matched exactly, because {self.declined.describe()}")
         return "; ".join(parts)
@@ -123,7 +122,7 @@ def check_rename(rename: Any) -> None:
             return
         raise TypeError(
             f"`rename` maps prefixes of the checkpoint's names to prefixes of the model's (strings, or `None` to leave"
-            f" the tensors out), but it holds {', '.join(bad[:_SHOWN])}. For example, `rename={{'model.': ''}}`."
+            f" the tensors out), but it holds {', '.join(bad[:SHOWN_NAMES])}. For example, `rename={{'model.': ''}}`."
         )
     raise TypeError(
         f"`rename` must be a callable (checkpoint name -> model name or `None`) or a mapping of prefixes such as"
@@ -165,18 +164,21 @@ def plan_load(
     problems = []
     if strict and plan.missing:
         problems.append(
-            f"{len(plan.missing)} missing key(s), in the model but not the checkpoint: {_names(plan.missing)}"
+            f"{len(plan.missing)} missing key(s), in the model but not the checkpoint: {quoted_names(plan.missing)}"
         )
     if strict and plan.unexpected:
         problems.append(
-            f"{len(plan.unexpected)} unexpected key(s), in the checkpoint but not the model: {_names(plan.unexpected)}"
+            f"{len(plan.unexpected)} unexpected key(s), in the checkpoint but not the model:"
+            f" {quoted_names(plan.unexpected)}"
         )
     if shape_mismatches:
-        problems.append(f"{len(shape_mismatches)} shape mismatch(es): {_first(shape_mismatches)}")
+        problems.append(f"{len(shape_mismatches)} shape mismatch(es): {shown_items(shape_mismatches)}")
     if dtype_mismatches:
-        problems.append(f"{len(dtype_mismatches)} dtype mismatch(es) that cannot be cast: {_first(dtype_mismatches)}")
+        problems.append(
+            f"{len(dtype_mismatches)} dtype mismatch(es) that cannot be cast: {shown_items(dtype_mismatches)}"
+        )
     if not problems and not plan.sources and targets:
-        problems.append(f"no checkpoint tensor matches a model tensor (checkpoint keys: {_names(list(specs))})")
+        problems.append(f"no checkpoint tensor matches a model tensor (checkpoint keys: {quoted_names(list(specs))})")
     if problems:
         inner = None
         if rename is None and not plan.aligned and plan.declined is None and not ambiguous:
@@ -250,7 +252,7 @@ def _untied_copies(targets: Sequence[TargetSpec], plan: NamePlan, ties: Mapping[
 
 
 def _retie_advice(untied: Mapping[str, str]) -> str:
-    pairs = _first([f"{missing!r} to {partner!r}" for missing, partner in untied.items()])
+    pairs = shown_items([f"{missing!r} to {partner!r}" for missing, partner in untied.items()])
     return (
         f"The model ties {pairs}, which the checkpoint holds, but the tied names are separate tensors now, so loading"
         " one leaves the other as it is: `strict=False` would leave the missing one uninitialised. Keep them tied: let"
@@ -283,7 +285,7 @@ def check_whole_module(module: Module) -> None:
         how = "with `rename={'': '<the name of this module in the model>.'}` and `strict=False`"
     raise CheckpointLoadError(
         f"The module to load into is a part of an FSDP model, not the model itself: {len(names)} of its tensors"
-        f" ({_names(names)}) are held by an FSDP unit that wraps its parent, so they cannot be loaded through it."
+        f" ({quoted_names(names)}) are held by an FSDP unit that wraps its parent, so they cannot be loaded through it."
         f" Load into the model that `fabric.setup` returned instead, {how}, so that the checkpoint's names land in this"
         f" module and the rest of the model stays as it is. {_RENAME_USAGE}"
     )
@@ -444,8 +446,8 @@ def _advice(
 ) -> list[str]:
     """What would make this checkpoint load, as a ``rename`` value to pass."""
     if rename is not None:
-        renamed = [new for new in (_rename_one(name, rename) for name in names[:_SHOWN]) if new is not None]
-        return [f"After `rename`, the checkpoint's names read {_names(renamed)}, ..."] if renamed else []
+        renamed = [new for new in (_rename_one(name, rename) for name in names[:SHOWN_NAMES]) if new is not None]
+        return [f"After `rename`, the checkpoint's names read {quoted_names(renamed)}, ..."] if renamed else []
     if plan.aligned:
         value = _leaving_out(plan)
         if value is None:
@@ -457,7 +459,7 @@ def _advice(
     if plan.declined is not None:
         return [plan.declined.advice()]
     if ambiguous:
-        choices = " or ".join(f"`rename={candidate!r}`" for candidate in ambiguous[:_SHOWN])
+        choices = " or ".join(f"`rename={candidate!r}`" for candidate in ambiguous[:SHOWN_NAMES])
         return [
             f"The names match the model's with one of several prefixes changed: pass the right one, {choices}."
             f" {_RENAME_USAGE}"
@@ -510,13 +512,13 @@ class InnerRename:
         partial = ""
         if self.left:
             partial = (
-                f" The other {len(self.left)} ({_names(self.left)}) are not in this file: add `strict=False` to leave"
-                " them as they are (an adapter's tensors when the file holds the base model, or the base model's when"
-                " it holds an adapter)."
+                f" The other {len(self.left)} ({quoted_names(self.left)}) are not in this file: add `strict=False` to"
+                " leave them as they are (an adapter's tensors when the file holds the base model, or the base model's"
+                " when it holds an adapter)."
             )
         if self.extra:
             partial += (
-                f" The file's {len(self.extra)} other tensor(s) ({_names(self.extra)}) are not in the model:"
+                f" The file's {len(self.extra)} other tensor(s) ({quoted_names(self.extra)}) are not in the model:"
                 f" {'`strict=False` also ignores them' if self.left else 'add `strict=False` to ignore them'}."
             )
         return (
@@ -578,7 +580,7 @@ def _inner_rename(
                     edits[(f".{other}.", f".{parts[index]}.")] += 1
     chosen: dict[str, str] = {}
     for (old, new), _ in edits.most_common():
-        if old not in chosen and len(chosen) < _SHOWN:
+        if old not in chosen and len(chosen) < SHOWN_NAMES:
             chosen[old] = new
     if not chosen:
         return None
@@ -617,7 +619,7 @@ def _leaving_out(plan: NamePlan) -> dict[str, str | None] | None:
     """``plan.aligned`` plus the prefixes that leave out the unexpected tensors, if a few prefixes do so safely."""
     used = set(plan.sources.values())
     groups = dict.fromkeys(name.split(".", 1)[0] + "." if "." in name else name for name in plan.unexpected)
-    if len(groups) > _SHOWN or any(name.startswith(group) for group in groups for name in used):
+    if len(groups) > SHOWN_NAMES or any(name.startswith(group) for group in groups for name in used):
         return None
     return {**plan.aligned, **dict.fromkeys(groups)}
 
@@ -635,15 +637,6 @@ def _clean(name: str) -> str:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
-
-
-def _names(names: Sequence[str]) -> str:
-    return _first([repr(name) for name in names])
-
-
-def _first(items: Sequence[str]) -> str:
-    shown = ", ".join(items[:_SHOWN])
-    return shown + (f", ... ({len(items) - _SHOWN} more)" if len(items) > _SHOWN else "")
 
 
 def _shape(shape: tuple[int, ...]) -> str:

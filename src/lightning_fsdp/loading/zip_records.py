@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.files import read_exactly
+from lightning_fsdp.loading.files import OpenFile, file_stream, read_exactly
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_HEADER_SIGNATURE = b"PK\x03\x04"
@@ -42,7 +42,7 @@ class ZipRecord:
     crc: int
 
 
-def read_zip_records(path: Path, file: int, file_size: int) -> dict[str, ZipRecord]:
+def read_zip_records(path: Path, file: OpenFile, file_size: int) -> dict[str, ZipRecord]:
     """Read and check the directory of the zip archive open as ``file`` (a file descriptor of ``path``).
 
     Raises:
@@ -51,7 +51,7 @@ def read_zip_records(path: Path, file: int, file_size: int) -> dict[str, ZipReco
 
     """
     try:
-        with open(file, "rb", closefd=False) as handle, zipfile.ZipFile(handle) as archive:
+        with file_stream(file) as handle, zipfile.ZipFile(handle) as archive:
             infos = archive.infolist()
             directory_start = archive.start_dir
     except Exception as error:  # zipfile raises many types for a damaged directory (NotImplementedError, ...)
@@ -107,7 +107,7 @@ def _check_every_byte_accounted_for(path: Path, spans: list[tuple[int, int, tupl
         position, previous, allowed = data_end, f"the record {name!r}", descriptor
 
 
-def read_record(path: Path, file: int, record: ZipRecord) -> bytes:
+def read_record(path: Path, file: OpenFile, record: ZipRecord) -> bytes:
     """Read a whole record (decompressing it if needed) and check its CRC."""
     if record.stored:
         data = bytearray(record.size)
@@ -115,13 +115,13 @@ def read_record(path: Path, file: int, record: ZipRecord) -> bytes:
         _check_crc(path, record, zlib.crc32(data))
         return bytes(data)
     try:
-        with open(file, "rb", closefd=False) as handle, zipfile.ZipFile(handle) as archive:
+        with file_stream(file) as handle, zipfile.ZipFile(handle) as archive:
             return archive.read(record.name)  # zipfile checks the CRC of what it decompresses
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, zlib.error) as error:
         raise _corrupt(path, f"the record {record.name!r} cannot be decompressed: {error}") from None
 
 
-def verify_record_crc(path: Path, file: int, record: ZipRecord) -> None:
+def verify_record_crc(path: Path, file: OpenFile, record: ZipRecord) -> None:
     """Stream a record and check it against the CRC in its header, holding at most a few MiB at a time."""
     if not record.stored:
         read_record(path, file, record)

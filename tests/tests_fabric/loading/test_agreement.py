@@ -122,6 +122,21 @@ def test_a_failure_is_raised_on_every_rank_naming_the_rank(make_store):
     assert [type(error.__cause__) for error in errors] == [type(None), ValueError, type(None)]
 
 
+def test_another_errors_text_reaches_every_rank_escaped(make_store):
+    """A library's error may quote the file's text: a terminal's escape sequences, a newline."""
+
+    def rank_fn(rank: int, store: dist.Store) -> None:
+        with Agreement("Reading 'x.ckpt'", store=store, rank=rank, world_size=2, namespace="test"):
+            if rank == 1:
+                raise ValueError("unknown name 'w\x1b]0;PWNED\x07\nforged log line'")
+
+    errors = [error for _, error in _in_threads(2, rank_fn, make_store)]
+    assert {str(error) for error in errors} == {
+        "Reading 'x.ckpt' failed on rank 1: ValueError: unknown name 'w\\x1b]0;PWNED\\x07\\nforged log line'"
+    }
+    assert all(char.isprintable() for error in errors for char in str(error))
+
+
 def test_a_failing_ranks_own_checkpoint_load_error_is_kept_but_not_chained(make_store):
     """Its text is in the agreed error's message: a traceback that printed it again would show the user two errors."""
 
@@ -260,6 +275,17 @@ def test_a_rank_that_fails_before_a_block_does_not_shift_the_next_one(make_store
 def test_a_block_needs_a_namespace_with_several_ranks():
     with pytest.raises(ValueError, match=r"`Agreement\(namespace=...\)` is required with several ranks"):
         Agreement(store=dist.HashStore(), rank=0, world_size=2).__enter__()
+
+
+def test_a_rank_has_beaten_once_as_soon_as_it_entered_a_block():
+    """A rank killed right after it entered a block is named as having stopped responding, never as not having joined:
+    its first heartbeat is written before the block's body runs, not whenever the heartbeat thread first gets to."""
+    store = dist.HashStore()
+    heartbeat = agreement._Heartbeat(store, "beat")
+    try:
+        assert int(store.add("beat", 0)) >= 1
+    finally:
+        heartbeat.stop()
 
 
 def test_a_live_rank_is_never_declared_dead_however_long_it_works(fast_heartbeats):

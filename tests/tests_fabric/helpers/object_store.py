@@ -1,0 +1,223 @@
+"""A real S3 API on loopback for the tests: moto's server, behind a small proxy that fails requests on purpose.
+
+The ranks (other processes) reach the proxy through ``storage_options``; rank 0 sets the faults of a case through the
+proxy's control path (``/__faults__``), so a multi-rank test can run several cases in one process group. Only
+127.0.0.1 is ever bound or contacted.
+"""
+
+import http.client
+import json
+import socket
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BUCKET = "checkpoints"
+#: Credentials of the fake store: distinctive, so that a test can tell they never appear in a message.
+KEY = "AKIAFAKEKEYLIGHTNING"
+SECRET = "fake-secret-never-in-messages-42"
+_REGION = "us-east-1"
+_HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"}
+
+
+@dataclass
+class _Faults:
+    rules: list[dict[str, Any]] = field(default_factory=list)
+    get_bytes: int = 0
+    requests: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, method: str, ranged: bool, key: str) -> dict[str, Any] | None:
+        """The fault for this request, if a rule matches it (a rule fires ``count`` times, ``-1``: always)."""
+        with self.lock:
+            self.requests += 1
+            for rule in self.rules:
+                if rule.get("method", "GET") != method or (rule.get("ranged", True) and not ranged):
+                    continue
+                if rule.get("key") not in (None, key):
+                    continue
+                if rule.get("skip", 0) > 0:
+                    rule["skip"] -= 1
+                    continue
+                if rule["count"] == 0:
+                    continue
+                rule["count"] -= 1
+                return rule
+        return None
+
+
+class FaultProxy:
+    """Forwards every request to the S3 server, except those a fault rule fails."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.faults = _Faults()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path.startswith("/__"):
+                    self._control(body)
+                    return
+                key = self.path.split("?")[0].lstrip("/").split("/", 1)[-1]
+                rule = proxy.faults.take(self.command, "Range" in self.headers, key)
+                if rule is not None and rule["kind"] == "status":
+                    self._reply(rule["status"], _error_xml(rule["code"]), {"Content-Type": "application/xml"})
+                    return
+                if rule is not None and rule["kind"] == "replace":
+                    proxy.replace(rule["key"], rule["flip_at"])
+                connection = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
+                connection.request(self.command, self.path, body=body or None, headers=headers)
+                response = connection.getresponse()
+                data = response.read()
+                connection.close()
+                kept = {k: v for k, v in response.getheaders() if k.lower() not in _HOP_HEADERS}
+                if self.command == "GET":
+                    with proxy.faults.lock:
+                        proxy.faults.get_bytes += len(data)
+                if rule is not None and rule["kind"] == "reset":  # the headers and half of the body, then a reset
+                    self.send_response(response.status)
+                    for name, value in kept.items():
+                        self.send_header(name, value)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    self.close_connection = True
+                    return
+                length = int(response.getheader("Content-Length") or 0) if self.command == "HEAD" else len(data)
+                self._reply(response.status, data, kept, length)
+
+            def _control(self, body: bytes) -> None:
+                if self.path == "/__faults__":
+                    with proxy.faults.lock:
+                        proxy.faults.rules = json.loads(body or b"[]")
+                        proxy.faults.get_bytes = proxy.faults.requests = 0
+                with proxy.faults.lock:
+                    stats = {"get_bytes": proxy.faults.get_bytes, "requests": proxy.faults.requests}
+                self._reply(200, json.dumps(stats).encode(), {"Content-Type": "application/json"})
+
+            def _reply(self, status: int, data: bytes, headers: dict[str, str], length: int | None = None) -> None:
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data) if length is None else length))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.client: Any = None
+
+    def replace(self, key: str, flip_at: float) -> None:
+        """Replace the object ``key`` by one of the same size with one byte changed (a new ETag): the byte at the
+        fraction ``flip_at`` of its size."""
+        data = bytearray(self.client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        data[int(len(data) * flip_at)] ^= 0xFF
+        self.client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+
+def _error_xml(code: str) -> bytes:
+    return (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{code} (injected by the test'
+        f" proxy)</Message><RequestId>0</RequestId></Error>"
+    ).encode()
+
+
+@dataclass
+class ObjectStore:
+    """The fake store as a test sees it."""
+
+    endpoint: str
+    """The moto server itself (uploads go here, never through the faults)."""
+    proxy: str
+    client: Any
+
+    def storage_options(self) -> dict[str, Any]:
+        """What a rank passes to ``load_options(storage_options=...)``: the proxy, fake credentials, and no retries of
+        botocore's own (see :func:`without_client_retries` for s3fs's)."""
+        return {
+            "endpoint_url": self.proxy,
+            "key": KEY,
+            "secret": SECRET,
+            "client_kwargs": {"region_name": _REGION},
+            "config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}},
+            "skip_instance_cache": True,
+        }
+
+    def upload(self, local: Path, prefix: str) -> str:
+        """Upload a file, or every file of a directory, under ``prefix``; return the ``s3://`` URL of ``local``."""
+        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+        base = local.parent if local.is_file() else local
+        for file in files:
+            self.client.upload_file(str(file), BUCKET, f"{prefix}/{file.relative_to(base).as_posix()}")
+        return f"s3://{BUCKET}/{prefix}/{local.name}" if local.is_file() else f"s3://{BUCKET}/{prefix}"
+
+
+def without_client_retries() -> None:
+    """Let s3fs try each request once (a class attribute, not an option), so the loader's retries are under test."""
+    from s3fs import S3FileSystem
+
+    S3FileSystem.retries = 1
+
+
+def set_faults(proxy: str, rules: list[dict[str, Any]]) -> dict[str, int]:
+    """Replace the proxy's fault rules (and zero its counters); return the counters before."""
+    return _control(proxy, "/__faults__", rules)
+
+
+def proxy_stats(proxy: str) -> dict[str, int]:
+    return _control(proxy, "/__stats__", None)
+
+
+def _control(proxy: str, path: str, payload: Any) -> dict[str, int]:
+    data = None if payload is None else json.dumps(payload).encode()
+    with urllib.request.urlopen(urllib.request.Request(proxy + path, data=data, method="POST"), timeout=30) as answer:
+        return json.loads(answer.read())
+
+
+@pytest.fixture(scope="session")
+def object_store() -> Iterator[ObjectStore]:
+    """moto's S3 server and the fault proxy on 127.0.0.1 (free ports), with one bucket; stopped after the session."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    endpoint = "http://{}:{}".format(*server.get_host_and_port())
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET, region_name=_REGION
+    )
+    client.create_bucket(Bucket=BUCKET)
+    proxy = FaultProxy(int(endpoint.rsplit(":", 1)[1]))
+    proxy.client = client
+    try:
+        yield ObjectStore(endpoint, proxy.url, client)
+    finally:
+        proxy.stop()
+        server.stop()

@@ -1,0 +1,233 @@
+"""Checkpoints in object storage: a real S3 API (moto's server on 127.0.0.1, s3fs as the client), 2 CPU ranks.
+
+Every format loads from ``s3://`` bit-exact as the same file loads from disk, with both strategies; each rank fetches
+only part of the object; faults of the store (missing object or bucket, denied access, server errors, throttling, a
+connection reset in a range, an object replaced during the load, a truncated object) end in one clear error on every
+rank, with the model untouched where the error comes before the copy, and no credential in any message.
+"""
+
+import contextlib
+import io
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_fsdp import CheckpointLoadError, FSDPStrategy, ModelParallelStrategy
+from lightning_fsdp.loading import progress as progress_module
+from lightning_fsdp.loading import remote
+from lightning_fsdp.loading.progress import PROGRESS_ENV_VAR
+from lightning_fsdp.loading.sources import materialize
+from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
+from tests.tests_fabric.helpers.distributed import run_distributed
+from tests.tests_fabric.helpers.models import Block, TinyTransformer, make_batch
+from tests.tests_fabric.helpers.object_store import (
+    BUCKET,
+    KEY,
+    SECRET,
+    ObjectStore,
+    object_store,  # noqa: F401 (the fixture)
+    set_faults,
+    without_client_retries,
+)
+from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
+
+pytestmark = pytest.mark.package_only
+
+_WIDTH = 128  # tensors of 64 KiB and more: larger than the blocks small reads are served from
+
+
+def _parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=device_mesh["data_parallel"])
+    return fully_shard(model, mesh=device_mesh["data_parallel"])
+
+
+def _fabric(strategy: str) -> Fabric:
+    if strategy == "fsdp1":
+        chosen: Any = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full")
+    else:
+        chosen = ModelParallelStrategy(
+            _parallelize, data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False
+        )
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=chosen)
+    fabric.launch()
+    return fabric
+
+
+def _fresh(fabric: Fabric, seed: int) -> tuple[nn.Module, Any]:
+    fabric.seed_everything(seed)
+    model = fabric.setup_module(TinyTransformer(width=_WIDTH))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    return model, optimizer
+
+
+def _full_state(strategy: str, model: nn.Module, optimizer: Any) -> dict:
+    if strategy == "fsdp1":
+        return gather_full_state(model, optimizer)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    module, options = getattr(model, "_forward_module", model), StateDictOptions(full_state_dict=True)
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    return materialize(
+        {
+            "model": get_model_state_dict(module, options=options),
+            "optimizer": get_optimizer_state_dict(module, optimizer, options=options),
+        }
+    )
+
+
+def _load_local_and_remote(strategy: str, raw: dict[str, tuple[str, str]], full_dir: str, options: dict) -> dict:
+    """Load each checkpoint from disk and from S3 into fresh models; the two must be identical, bit for bit."""
+    progress_module._SHOW_AFTER_S = 0.0  # the node's bar, drawn from the start, shows the bytes fetched
+    os.environ[PROGRESS_ENV_VAR] = "1"
+    fabric = _fabric(strategy)
+    fetched: dict[str, Any] = {}
+    with fabric.strategy.load_options(storage_options=options):
+        for fmt, (local, url) in raw.items():
+            states = []
+            for path in (local, url):
+                model, optimizer = _fresh(fabric, seed=7)
+                before = remote.fetched_bytes()
+                with contextlib.redirect_stderr(io.StringIO()) as bar:
+                    fabric.load_raw(path, model)
+                if path == url:
+                    fetched[fmt] = remote.fetched_bytes() - before
+                    fetched[f"{fmt} bar"] = bar.getvalue()
+                states.append(_full_state(strategy, model, optimizer)["model"])
+            assert_same_state(states[1], states[0], fmt)
+
+        # A full Fabric checkpoint with Adam's state, written by this strategy and uploaded by rank 0.
+        model, optimizer = _fresh(fabric, seed=1)
+        inputs, _ = make_batch(0)
+        fabric.backward(model(inputs).sum())
+        optimizer.step()
+        local = Path(full_dir) / f"{strategy}.ckpt"
+        fabric.save(local, {"model": model, "optimizer": optimizer, "step": 3})
+        url = f"s3://{BUCKET}/full/{strategy}.ckpt"
+        if fabric.global_rank == 0:
+            import fsspec
+
+            fsspec.filesystem("s3", **options).put(str(local), url)
+        fabric.barrier()
+        states = []
+        for path in (local, url):
+            model, optimizer = _fresh(fabric, seed=2)
+            state = {"model": model, "optimizer": optimizer, "step": 0}
+            assert fabric.load(path, state) == {}
+            assert state["step"] == 3
+            states.append(_full_state(strategy, model, optimizer))
+        assert_same_state(states[1], states[0], "full checkpoint")
+    return fetched
+
+
+@pytest.mark.parametrize("strategy", ["fsdp1", "fsdp2"])
+def test_every_format_loads_from_s3_as_from_disk(object_store: ObjectStore, tmp_path, strategy):  # noqa: F811
+    torch.manual_seed(0)
+    state = TinyTransformer(width=_WIDTH).state_dict()
+    raw = {}
+    for fmt in FORMATS:
+        path = write_checkpoint(state, tmp_path / fmt, fmt)
+        url = object_store.upload(tmp_path / fmt, f"{strategy}/{fmt}")
+        raw[fmt] = (str(path), url if path == tmp_path / fmt else f"{url}/{path.name}")
+    (tmp_path / "full").mkdir()
+    fetched = run_distributed(
+        _load_local_and_remote, strategy, raw, str(tmp_path / "full"), object_store.storage_options(), devices=2
+    )
+    # Each rank fetched its own part of the object (and the header), not the object: together about one copy.
+    size = (tmp_path / "safetensors" / "model.safetensors").stat().st_size
+    per_rank = [rank["safetensors"] for rank in fetched]
+    assert all(count < 0.75 * size for count in per_rank), (per_rank, size)
+    assert sum(per_rank) < 1.25 * size, (per_rank, size)
+    # Local rank 0 draws the node's bar, which shows what the node fetched.
+    assert "fetched " in fetched[0]["safetensors bar"].rsplit("\r", 1)[-1]
+    assert fetched[1]["safetensors bar"] == ""
+
+
+_CASES = {
+    "missing object": ([], "missing.pt", "does not exist"),
+    "missing bucket": ([], "s3://no-such-bucket/model.pt", "does not exist"),
+    "access denied": (
+        [
+            {"kind": "status", "status": 403, "code": "AccessDenied", "count": -1, "method": method, "ranged": False}
+            for method in ("HEAD", "GET")
+        ],
+        "model.pt",
+        "access was denied",
+    ),
+    "server errors": (
+        [{"kind": "status", "status": 500, "code": "InternalError", "count": -1}],
+        "model.pt",
+        "could not be read after 5 attempts",
+    ),
+    "throttled, then served": ([{"kind": "status", "status": 503, "code": "SlowDown", "count": 3}], "model.pt", None),
+    "reset mid-range, then served": ([{"kind": "reset", "count": 2}], "model.pt", None),
+    "truncated object": ([], "truncated.pt", "truncated or corrupt"),
+    "replaced during the load": (
+        [{"kind": "replace", "key": "faults/model.pt", "flip_at": 0.5, "count": 1}],
+        "model.pt",
+        "was changed while it was being loaded",
+    ),
+}
+
+
+def _faults(proxy: str, options: dict, expected_path: str) -> dict[str, str]:
+    remote.FIRST_BACKOFF_S = 0.02  # the schedule's shape is what is tested, not its duration
+    without_client_retries()
+    fabric = _fabric("fsdp1")
+    expected = torch.load(expected_path, weights_only=True)
+    outcomes = {}
+    with fabric.strategy.load_options(storage_options=options):
+        for case, (rules, name, _) in _CASES.items():
+            if fabric.global_rank == 0:
+                set_faults(proxy, rules)
+            fabric.barrier()
+            model, _ = _fresh(fabric, seed=3)
+            before = gather_full_state(model)["model"]
+            url = name if name.startswith("s3://") else f"s3://{BUCKET}/faults/{name}"
+            try:
+                fabric.load_raw(url, model)
+            except CheckpointLoadError as error:
+                outcomes[case] = str(error)
+                if "partially loaded" not in str(error):
+                    assert_same_state(gather_full_state(model)["model"], before, case)
+            else:
+                outcomes[case] = "loaded"
+                assert_same_state(gather_full_state(model)["model"], expected, case)
+            fabric.barrier()
+    if fabric.global_rank == 0:
+        set_faults(proxy, [])
+    return outcomes
+
+
+def test_store_faults_give_one_clear_error_on_every_rank(object_store: ObjectStore, tmp_path):  # noqa: F811
+    torch.manual_seed(0)
+    state = TinyTransformer(width=_WIDTH).state_dict()
+    local = tmp_path / "model.pt"
+    torch.save(state, local)
+    object_store.upload(local, "faults")
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(local.read_bytes()[: local.stat().st_size * 2 // 3])
+    object_store.upload(truncated, "faults")
+    shutil.copy(local, tmp_path / "expected.pt")
+
+    outcomes = run_distributed(
+        _faults, object_store.proxy, object_store.storage_options(), str(tmp_path / "expected.pt"), devices=2
+    )
+    for case, (_, _, pattern) in _CASES.items():
+        messages = [rank[case] for rank in outcomes]
+        for message in messages:
+            if pattern is None:
+                assert message == "loaded", f"{case}: {message}"
+            else:
+                assert pattern in message, f"{case}: {message}"
+            assert KEY not in message, f"{case}: {message}"
+            assert SECRET not in message, f"{case}: {message}"
+        assert messages[0] == messages[1], f"{case}: the ranks disagree: {messages}"
