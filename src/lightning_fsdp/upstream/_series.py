@@ -232,6 +232,7 @@ STEPS: tuple[Step, ...] = (
             f"{_SRC}/loading/safetensors_header.py",
             f"{_SRC}/loading/sources.py",
             f"{_SRC}/loading/formats.py",
+            f"{_SRC}/loading/remote.py",
             f"{_SRC}/loading/validation.py",
             f"{_TESTS}/helpers/checkpoints.py",
             f"{_TESTS}/loading/__init__.py",
@@ -242,7 +243,8 @@ STEPS: tuple[Step, ...] = (
         motivation="To copy only each rank's slice of a tensor out of a checkpoint file, the loader must know where"
         " the tensor's bytes are. These private helpers read that from the file's own structure (the zip central"
         " directory and local headers, a weights-only walk of `data.pkl`, the legacy format's pickles, the"
-        " safetensors header, a Hugging Face `*.index.json`), check every offset against the tensor it feeds"
+        " safetensors header, a Hugging Face `*.index.json`), locally or by range requests to object storage"
+        " (fsspec), check every offset against the tensor it feeds"
         " (dtype x shape = bytes, in bounds, no overlap), and validate a checkpoint's names, shapes and dtypes"
         " against a model before anything is written.",
         effect="None yet (unused until the next step). The readers' tests write every format with `torch.save`,"
@@ -306,7 +308,9 @@ STEPS: tuple[Step, ...] = (
         " validates names, shapes and dtypes on every rank before writing, and copies each rank's slices of the"
         " parameters and of the optimizer state into its FSDP shards, reading only those bytes. Pickles that must"
         " be read whole (`weights_only=False`) are read by at most `load_concurrency` ranks of a node at a time;"
-        " an error on any rank is raised on every rank. Remote paths keep `master`'s branch.",
+        " an error on any rank is raised on every rank. A remote file (an fsspec URL) is read the same way, each rank"
+        " fetching only its byte ranges, instead of whole on every rank through `cloud_io._load`; a remote sharded"
+        " directory is refused (DCP's reader would unpickle its metadata unchecked).",
         effect="From benchmarks/README.md (1.07 GB model, 4 CPU ranks, gloo, cold cache): a full checkpoint with"
         " Adam state (3.22 GB) loads in 2.75 s instead of 14.10 s, peak memory of all ranks +2.15 GB above base"
         " instead of +10.27 GB, storage read per node 3.22 GB instead of 12.89 GB; a raw zip file loads in 1.07 s"
