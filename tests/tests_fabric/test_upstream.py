@@ -74,7 +74,7 @@ def test_writes_the_change_in_lightnings_layout(tree: Path) -> None:
     methods = [node.name for node in upstream_class.body if isinstance(node, ast.FunctionDef)]
     assert methods.count("load_checkpoint") == 1
     assert "_default_setup_environment" in methods  # upstream's body, called from ours
-    assert "_default_load_checkpoint" in methods  # upstream's, for remote paths
+    assert "_default_load_checkpoint" not in methods  # remote paths too are read by the new loader
     assert "load_concurrency: How many ranks" in fsdp  # the argument joins the class docstring
     assert len(fsdp) > len(original_fsdp)
     for change in result.changes:

@@ -17,7 +17,8 @@ It reads this package's own source files at run time and edits the given tree (a
 unpacked sdist) in Lightning's layout: the strategy merged into ``src/lightning/fabric/strategies/fsdp.py``, the device
 checks into ``strategies/parallel.py``, the loading package as ``src/lightning/fabric/utilities/checkpoint_loading/``,
 the connector's GPU-only check for FSDP removed, the tests, the guide, and a CHANGELOG entry. Nothing of Lightning's
-code is stored here: the tree is parsed and edited at the positions of its syntax tree. See
+code is stored here: the tree is parsed and edited at the positions of its syntax tree. With ``--series``, the change
+is committed onto a git checkout as a numbered series of pull requests (``_series.py``). See
 ``docs/source-fabric/upstream.rst``.
 """
 

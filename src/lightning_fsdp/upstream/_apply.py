@@ -19,6 +19,7 @@ import hashlib
 import importlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -163,8 +164,22 @@ def tree_version(root: Path) -> str:
     return "of unknown version"
 
 
-def plan(tree: Path) -> Plan:
-    """Compute every file the command writes into ``tree``; raise :class:`UpstreamError` before writing anything."""
+#: A part of the change, as the numbered series cuts it: given a file of this project (relative to its checkout) and
+#: its text, the text restricted to that part (``None``: the file is not part of it). ``CHANGELOG.md`` gets one entry
+#: at a time and the connector ``"connector"``: any text kept keeps them.
+Restriction = Callable[[str, str], str | None]
+
+
+def _everything(path: str, text: str) -> str | None:
+    return text
+
+
+def plan(tree: Path, restrict: Restriction = _everything) -> Plan:
+    """Compute every file the command writes into ``tree``; raise :class:`UpstreamError` before writing anything.
+
+    ``restrict`` keeps a part of the change (one step of the series and those before it); by default, all of it.
+
+    """
     root = find_root(tree)
     result = Plan(root, tree_version(root))
     ours = _our_modules()
@@ -179,13 +194,16 @@ def plan(tree: Path) -> Plan:
     # Module-level merges first, so that a class merged into the same module finds their helpers there.
     merged: dict[str, Change] = {}
     for name in sorted(targets, key=lambda name: (name not in MERGED_MODULES, name)):
+        text = restrict(_ours_path(ours[name]), ours[name].read_text())
+        if text is None:
+            continue
         path = _module_path(targets[name])
         if path not in merged:
             original = _read(root / path)
             merged[path] = Change(path, original, original, name)
         else:
             merged[path].source += f", {name}"
-        rewritten = rewrite_python(ours[name].read_text(), names, _ours_path(ours[name]))
+        rewritten = rewrite_python(text, names, _ours_path(ours[name]))
         result.notes.extend(rewritten.notes)
         ours_source = Source(rewritten.text, _ours_path(ours[name]))
         merged[path].new = merge_module(Source(merged[path].new, path), targets[name], ours_source)
@@ -196,18 +214,29 @@ def plan(tree: Path) -> Plan:
     cycle = set(targets.values())
     for file in sorted(loading_dir.rglob("*.py")):
         relative = file.relative_to(loading_dir).as_posix()
-        rewritten = rewrite_python(file.read_text(), names, _ours_path(file))
+        kept = restrict(_ours_path(file), file.read_text())
+        if kept is None:
+            continue
+        rewritten = rewrite_python(kept, names, _ours_path(file))
         result.notes.extend(rewritten.notes)
         text = _localize_imports(Source(rewritten.text, relative), cycle)
         path = f"{_module_path(LOADING_MODULE, package=True)}/{relative}"
         result.changes.append(Change(path, _read_optional(root / path), text, _ours_path(file)))
     connector = _read(root / CONNECTOR)
-    allowed = drop_unused_imports(connector, _allow_cpu(Source(connector, CONNECTOR)), CONNECTOR)
-    result.changes.append(Change(CONNECTOR, connector, allowed, "strategy (CPU)"))
-    changelog = _read(root / CHANGELOG)
-    result.changes.append(Change(CHANGELOG, changelog, _changelog(changelog), "CHANGELOG.md"))
-    _carry_tests(root, names, result)
-    _carry_docs(root, names, result)
+    if restrict("connector", "connector") is not None:
+        allowed = drop_unused_imports(connector, _allow_cpu(Source(connector, CONNECTOR)), CONNECTOR)
+        result.changes.append(Change(CONNECTOR, connector, allowed, "strategy (CPU)"))
+    entries = {
+        section: [entry for entry in section_entries if restrict("CHANGELOG.md", entry) is not None]
+        for section, section_entries in CHANGELOG_ENTRIES.items()
+    }
+    if any(entries.values()):
+        changelog = _read(root / CHANGELOG)
+        result.changes.append(
+            Change(CHANGELOG, changelog, _changelog(changelog, {k: v for k, v in entries.items() if v}), "CHANGELOG.md")
+        )
+    _carry_tests(root, names, result, restrict)
+    _carry_docs(root, names, result, restrict)
     result.notes.extend(f"not carried: src/lightning_fsdp/{name}: {why}" for name, why in _not_carried(ours).items())
     return result
 
@@ -510,7 +539,7 @@ def _allow_cpu(connector: Source) -> str:
     )
 
 
-def _changelog(text: str) -> str:
+def _changelog(text: str, entries_by_section: dict[str, list[str]] = CHANGELOG_ENTRIES) -> str:
     """Our entries under the unreleased section, each in its subsection (created when missing)."""
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if re.match(r"## \[unreleased\]", line, re.IGNORECASE)), None)
@@ -519,7 +548,7 @@ def _changelog(text: str) -> str:
         lines[first:first] = ["## [unreleased] - YYYY-MM-DD\n", "\n"]
         start = first
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    for section, entries in CHANGELOG_ENTRIES.items():
+    for section, entries in entries_by_section.items():
         text_entries = [f"- {entry}\n" for entry in entries]
         heading = next((i for i in range(start, end) if lines[i].strip() == f"### {section}"), None)
         if heading is None:
@@ -540,7 +569,7 @@ def _changelog(text: str) -> str:
     return "".join(lines)
 
 
-def _carry_tests(root: Path, names: NameMap, result: Plan) -> None:
+def _carry_tests(root: Path, names: NameMap, result: Plan, restrict: Restriction = _everything) -> None:
     ours = PROJECT_DIR / "tests" / "tests_fabric"
     if not ours.is_dir():
         result.notes.append("tests not carried: this package was not run from a checkout of lightning-fsdp")
@@ -553,13 +582,19 @@ def _carry_tests(root: Path, names: NameMap, result: Plan) -> None:
         relative = file.relative_to(ours).as_posix()
         destination = f"{TESTS_DIR}/{relative}"
         if file.suffix != ".py":
-            result.changes.append(Change(destination, _read_optional(root / destination), file.read_text(), relative))
+            if restrict(f"tests/tests_fabric/{relative}", file.read_text()) is not None:
+                result.changes.append(
+                    Change(destination, _read_optional(root / destination), file.read_text(), relative)
+                )
             continue
         text = file.read_text()
         if module_is_package_only(text):
             result.notes.append(f"not carried: tests/tests_fabric/{relative} (package-only)")
             continue
-        text, count = drop_package_only(text, relative)
+        kept = restrict(f"tests/tests_fabric/{relative}", text)
+        if kept is None:
+            continue
+        text, count = drop_package_only(kept, relative)
         dropped += count
         rewritten = rewrite_python(text, names, f"tests/tests_fabric/{relative}")
         result.notes.extend(rewritten.notes)
@@ -567,7 +602,7 @@ def _carry_tests(root: Path, names: NameMap, result: Plan) -> None:
     result.notes.append(f"not carried: {dropped} tests marked `package_only` in the carried test files")
 
 
-def _carry_docs(root: Path, names: NameMap, result: Plan) -> None:
+def _carry_docs(root: Path, names: NameMap, result: Plan, restrict: Restriction = _everything) -> None:
     docs = PROJECT_DIR / "docs" / "source-fabric"
     if not docs.is_dir():
         result.notes.append("docs not carried: this package was not run from a checkout of lightning-fsdp")
@@ -582,6 +617,8 @@ def _carry_docs(root: Path, names: NameMap, result: Plan) -> None:
             result.notes.append(f"not carried: docs/source-fabric/examples/{example.name} (package-only)")
             continue
         destination = f"{EXAMPLES_DIR}/{example.name}"
+        if restrict(f"docs/source-fabric/examples/{example.name}", text) is None:
+            continue
         try:
             rewritten = rewrite_python(text, names, f"docs/source-fabric/examples/{example.name}")
         except UpstreamError as error:
@@ -592,6 +629,8 @@ def _carry_docs(root: Path, names: NameMap, result: Plan) -> None:
     for page in sorted((docs / "guide").glob("*.rst")):
         destination = f"{GUIDE_DIR}/{page.name}"
         where = f"docs/source-fabric/guide/{page.name}"
+        if restrict(where, page.read_text()) is None:
+            continue
         rewritten = rewrite_prose(page.read_text(), names, where)
         text = _relink_includes(rewritten.text, page, destination, carried_examples, result, where)
         result.notes.extend(rewritten.notes)

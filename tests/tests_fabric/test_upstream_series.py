@@ -1,0 +1,152 @@
+"""`python -m lightning_fsdp.upstream --series`: the change as a numbered series of commits, and its manifest.
+
+The tree is a git repository holding a copy of the installed `lightning` laid out as a checkout (as in
+`test_upstream.py`); tools/test_series.sh runs Lightning's tests and ours at every step on the pinned master.
+"""
+
+import subprocess
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import replace
+from io import StringIO
+from pathlib import Path
+
+import pytest
+
+from lightning_fsdp.upstream import UpstreamError, plan
+from lightning_fsdp.upstream.__main__ import main
+from lightning_fsdp.upstream._apply import Change, Plan
+from lightning_fsdp.upstream._series import (
+    STEPS,
+    _edited_tests,
+    _manifest_items,
+    assign,
+    restriction,
+    unresolved_imports,
+)
+from tests.tests_fabric.test_upstream import installed_lightning_tree
+
+pytestmark = pytest.mark.package_only
+
+_STRATEGY = "src/lightning_fsdp/strategy.py"
+
+
+@pytest.fixture(scope="module")
+def items() -> list[tuple[str, str]]:
+    return _manifest_items()
+
+
+def _git(tree: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(tree), *args], check=True, capture_output=True, text=True).stdout
+
+
+def _git_tree(root: Path) -> Path:
+    tree = installed_lightning_tree(root)
+    _git(tree, "init", "--quiet")
+    _git(tree, "config", "user.name", "Series Test")
+    _git(tree, "config", "user.email", "series@example.com")
+    _git(tree, "add", "--all")
+    _git(tree, "commit", "--quiet", "-m", "base")
+    return tree
+
+
+def test_the_manifest_carries_everything_once(items):
+    """Every file, definition and CHANGELOG entry that the one-shot command writes belongs to exactly one step."""
+    assert assign(items).problems == []
+
+
+def test_the_manifest_refuses_what_is_lost_carried_twice_or_absent(items):
+    lost = (replace(STEPS[0], carries=()), *STEPS[1:])
+    assert any("connector is carried by 0 steps" in problem for problem in assign(items, lost).problems)
+    twice = (replace(STEPS[0], carries=(*STEPS[0].carries, f"{_STRATEGY}")), *STEPS[1:])
+    assert any(f"{_STRATEGY} is carried by 2 steps" in problem for problem in assign(items, twice).problems)
+    absent = (replace(STEPS[0], carries=(*STEPS[0].carries, f"{_STRATEGY}::FSDPStrategy.no_such_method")), *STEPS[1:])
+    problems = assign(items, absent).problems
+    assert any("no_such_method`, which the change does not carry" in problem for problem in problems)
+
+
+def test_a_step_that_uses_what_a_later_step_brings_is_refused(items):
+    """`setup_module` (step 5) needs `_fsdp_kwargs_added`: moved to the last step, step 5 could not run."""
+    moved = (*STEPS[:-1], replace(STEPS[-1], carries=(*STEPS[-1].carries, f"{_STRATEGY}::_fsdp_kwargs_added")))
+    assignment = assign(items, moved)
+    assert assignment.problems == []
+    restrict = restriction(assignment, 5)
+    text = dict(items)[_STRATEGY]
+    kept = restrict(_STRATEGY, text)
+    assert "def _fsdp_kwargs_added" not in kept
+    assert restrict.problems == [f"step 5: {_STRATEGY} uses `_fsdp_kwargs_added`, which step 6 brings"]
+    # With the manifest as it is, step 2 keeps only the device methods, and the imports they use.
+    early = restriction(assign(items), 2)
+    kept = early(_STRATEGY, text)
+    assert early.problems == []
+    assert "def setup_environment" in kept
+    assert "def module_init_context" in kept
+    assert "def load_checkpoint" not in kept
+    assert "loading_calls" not in kept
+
+
+def test_an_import_of_a_later_module_is_refused(tmp_path):
+    tree = installed_lightning_tree(tmp_path / "lightning")
+    module = "src/lightning/fabric/utilities/checkpoint_loading/loader.py"
+    importer = "from lightning.fabric.utilities.checkpoint_loading.turns import StaggeredLoad\n"
+    importer += "from lightning.fabric.strategies.fsdp import _no_such_helper\n"
+    step = Plan(tree, "x", [Change(module, None, importer, "loader")])
+    assert unresolved_imports(tree, step) == [
+        f"{module}:1 imports `lightning.fabric.utilities.checkpoint_loading.turns`, which the tree does not have",
+        f"{module}:2 imports `_no_such_helper` from `lightning.fabric.strategies.fsdp`, which does not define it",
+    ]
+
+
+def test_series_commits_each_step_and_ends_at_the_one_shot_change(tmp_path):
+    tree = _git_tree(tmp_path / "lightning")
+    descriptions = tmp_path / "descriptions"
+    out = StringIO()
+    with redirect_stdout(out):
+        assert main([str(tree), "--series", "--descriptions", str(descriptions)]) == 0
+    total = len(STEPS)
+    subjects = _git(tree, "log", "--reverse", "--format=%s", f"HEAD~{total}..HEAD").splitlines()
+    assert subjects == [f"({number}/{total}) {step.title}" for number, step in enumerate(STEPS, 1)]
+    assert _git(tree, "status", "--porcelain") == ""
+    one_shot = plan(installed_lightning_tree(tmp_path / "fresh"))
+    for change in one_shot.changes:
+        assert (tree / change.path).read_text() == change.new, change.path
+    written = sorted(path.name for path in descriptions.iterdir())
+    assert written == [f"{number:02d}-{step.slug}.md" for number, step in enumerate(STEPS, 1)]
+    for path in descriptions.iterdir():
+        text = path.read_text()
+        for heading in ("## Motivation", "## What changes", "## Measured effect", "## Tests", "## Behaviour changes"):
+            assert heading in text, path
+    messages = _git(tree, "log", "--format=%B", f"HEAD~{total}..HEAD")
+    assert "lightning_fsdp" not in messages.lower()
+    assert "lightning-fsdp" not in messages.lower()
+    # The first step only removes the connector's check; the step's own files change, nothing else.
+    first = _git(tree, "show", "--name-only", "--format=", f"HEAD~{total - 1}").split()
+    assert first == ["src/lightning/fabric/CHANGELOG.md", "src/lightning/fabric/connector.py"]
+
+
+def test_series_refuses_a_checkout_with_uncommitted_changes(tmp_path):
+    tree = _git_tree(tmp_path / "lightning")
+    (tree / "src/lightning/fabric/connector.py").write_text("# edited\n")
+    err = StringIO()
+    with redirect_stderr(err):
+        assert main([str(tree), "--series"]) == 1
+    assert "has uncommitted changes: commit or discard them before `--series`" in err.getvalue()
+    assert _git(tree, "log", "--format=%s") == "base\n"
+
+
+def test_lightnings_tests_are_edited_where_a_step_changes_their_behaviour(tmp_path):
+    """Each edit replaces its lines inside its test; lines that moved or changed stop the series."""
+    edit = STEPS[0].lightning_edits[0]
+    test_file = tmp_path / "tests" / edit.file
+    test_file.parent.mkdir(parents=True)
+    other = "def test_other():\n    pass\n"
+    test_file.write_text(f"{other}\n\n@mock.patch('x')\n{edit.old}    assert True\n")
+    notes: list[str] = []
+    (change,) = _edited_tests(tmp_path, [edit], notes)
+    assert change.new == f"{other}\n\n@mock.patch('x')\n{edit.new}    assert True\n"
+    assert notes == []
+    test_file.write_text(f"{other}\n\n{edit.old.replace('raise', 'raises')}")
+    with pytest.raises(UpstreamError, match=f"the lines of `{edit.test}` that the series edits were found 0 times"):
+        _edited_tests(tmp_path, [edit], notes)
+    test_file.unlink()
+    assert _edited_tests(tmp_path, [edit], notes) == []
+    assert notes == [f"not edited: tests/{edit.file} ({edit.test}), which the tree lacks"]
