@@ -142,6 +142,152 @@ _EMPTY_FILE_EDITS = (
         _EMPTY_FILE_REASON,
     ),
 )
+_REMOTE_EDITS_REASON = (
+    "master read a remote full checkpoint whole on every rank through `cloud_io._load` (with `weights_only=False` by"
+    " default) and a remote sharded checkpoint through DCP's fsspec reader; these tests mocked `_load`. A remote file"
+    " is now read like a local one, by byte ranges, with `weights_only=True` unless `False` is passed, and a remote"
+    " sharded directory is refused (DCP's reader would unpickle its metadata unchecked): the tests check that instead,"
+    " on fsspec's in-memory file system."
+)
+_REMOTE_EDITS = (
+    LightningEdit(
+        "tests_fabric/strategies/test_fsdp.py",
+        "test_load_full_checkpoint_remote_allows_non_tensor_objects",
+        old="""def test_load_full_checkpoint_remote_allows_non_tensor_objects(monkeypatch):
+    \"\"\"Regression: remote full-checkpoints are read with `weights_only=False` so non-tensor metadata
+    (which `torch.load` rejects by default since torch 2.6) loads just like the local `_lazy_load` path.\"\"\"
+    strategy = FSDPStrategy()
+    monkeypatch.setattr(strategy, "broadcast", lambda x: x)
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._has_fsdp_modules", lambda m: True)
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._is_full_checkpoint", lambda p: True)
+    monkeypatch.setattr("lightning.fabric.strategies.model_parallel._load_raw_module_state", lambda *a, **k: None)
+
+    captured = {}
+
+    def fake_load(path, weights_only=None):
+        captured["weights_only"] = weights_only
+        return {"model": {"weight": torch.zeros(2)}}
+
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._load", fake_load)
+
+    strategy.load_checkpoint("memory:///x/full.ckpt", state={"model": nn.Linear(2, 2)})
+    assert captured["weights_only"] is False
+""",
+        new="""def test_load_full_checkpoint_remote_is_read_by_byte_ranges(monkeypatch):
+    \"\"\"Remote full checkpoints are read like local ones, by byte ranges: never whole through `cloud_io._load`, and
+    non-tensor metadata (plain values) loads with the default `weights_only`.\"\"\"
+    import fsspec
+
+    strategy = FSDPStrategy()
+    monkeypatch.setattr(strategy, "broadcast", lambda x: x)
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._has_fsdp_modules", lambda m: True)
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._load", Mock(side_effect=AssertionError), raising=False)
+    saved = nn.Linear(2, 2)
+    with fsspec.open("memory:///x/full.ckpt", "wb") as file:
+        torch.save({"model": saved.state_dict(), "epoch": 3, "note": "text"}, file)
+
+    model = nn.Linear(2, 2)
+    remainder = strategy.load_checkpoint("memory:///x/full.ckpt", state={"model": model})
+    assert remainder == {"epoch": 3, "note": "text"}
+    assert torch.equal(model.weight, saved.weight)
+""",
+        reason=_REMOTE_EDITS_REASON,
+    ),
+    LightningEdit(
+        "tests_fabric/strategies/test_fsdp.py",
+        "test_load_full_checkpoint_remote_honors_explicit_weights_only",
+        old="""def test_load_full_checkpoint_remote_honors_explicit_weights_only(monkeypatch):
+    \"\"\"An explicit `weights_only=True` from the user must be honored for remote full-checkpoints, not silently
+    overridden to `False`.\"\"\"
+    strategy = FSDPStrategy()
+    monkeypatch.setattr(strategy, "broadcast", lambda x: x)
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._has_fsdp_modules", lambda m: True)
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._is_full_checkpoint", lambda p: True)
+    monkeypatch.setattr("lightning.fabric.strategies.model_parallel._load_raw_module_state", lambda *a, **k: None)
+
+    captured = {}
+
+    def fake_load(path, weights_only=None):
+        captured["weights_only"] = weights_only
+        return {"model": {"weight": torch.zeros(2)}}
+
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._load", fake_load)
+
+    strategy.load_checkpoint("memory:///x/full.ckpt", state={"model": nn.Linear(2, 2)}, weights_only=True)
+    assert captured["weights_only"] is True
+""",
+        new="""def test_load_full_checkpoint_remote_honors_weights_only(monkeypatch):
+    \"\"\"`weights_only` (default `True`) applies to remote files as to local ones; `False` loads any object.\"\"\"
+    import argparse
+
+    import fsspec
+
+    from lightning.fabric.utilities.checkpoint_loading.errors import CheckpointLoadError
+
+    strategy = FSDPStrategy()
+    monkeypatch.setattr(strategy, "broadcast", lambda x: x)
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._has_fsdp_modules", lambda m: True)
+    path = "memory:///x/objects.ckpt"
+    with fsspec.open(path, "wb") as file:
+        torch.save({"model": nn.Linear(2, 2).state_dict(), "hparams": argparse.Namespace(lr=0.1)}, file)
+
+    for weights_only in (None, True):
+        with pytest.raises(CheckpointLoadError, match="weights_only=False"):
+            strategy.load_checkpoint(path, state={"model": nn.Linear(2, 2)}, weights_only=weights_only)
+    remainder = strategy.load_checkpoint(path, state={"model": nn.Linear(2, 2)}, weights_only=False)
+    assert remainder == {"hparams": argparse.Namespace(lr=0.1)}
+""",
+        reason=_REMOTE_EDITS_REASON,
+    ),
+    LightningEdit(
+        "tests_fabric/strategies/test_fsdp.py",
+        "test_load_sharded_checkpoint_metadata_weights_only",
+        old="""def test_load_sharded_checkpoint_metadata_weights_only(monkeypatch):
+    \"\"\"The sharded-checkpoint metadata load must default to `weights_only=False` (like the full-checkpoint path) so
+    non-tensor metadata loads on torch>=2.6, while still honoring an explicit user value.\"\"\"
+    strategy = FSDPStrategy()
+    monkeypatch.setattr(strategy, "broadcast", lambda x: x)
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._has_fsdp_modules", lambda m: True)
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._is_sharded_checkpoint", lambda p: True)
+    monkeypatch.setattr(
+        "lightning.fabric.strategies.fsdp._get_sharded_state_dict_context", lambda module: mock.MagicMock()
+    )
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._distributed_checkpoint_load", lambda state, path: None)
+
+    captured = {}
+
+    def fake_load(path, weights_only=None):
+        captured["weights_only"] = weights_only
+        return {}
+
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._load", fake_load)
+
+    model = nn.Linear(2, 2)
+    strategy.load_checkpoint("memory:///x/sharded", state={"model": model})
+    assert captured["weights_only"] is False
+
+    strategy.load_checkpoint("memory:///x/sharded", state={"model": model}, weights_only=True)
+    assert captured["weights_only"] is True
+""",
+        new="""def test_load_sharded_checkpoint_remote_is_refused(monkeypatch):
+    \"\"\"A remote sharded checkpoint is refused: its pickles would be read by torch's reader, unchecked.\"\"\"
+    import fsspec
+
+    from lightning.fabric.utilities.checkpoint_loading.errors import CheckpointLoadError
+
+    strategy = FSDPStrategy()
+    monkeypatch.setattr(strategy, "broadcast", lambda x: x)
+    monkeypatch.setattr("lightning.fabric.strategies.fsdp._has_fsdp_modules", lambda m: True)
+    for name in (".metadata", "__0_0.distcp"):
+        with fsspec.open(f"memory:///x/sharded/{name}", "wb") as file:
+            file.write(b"x")
+
+    with pytest.raises(CheckpointLoadError, match="sharded checkpoint in object storage"):
+        strategy.load_checkpoint("memory:///x/sharded", state={"model": nn.Linear(2, 2)})
+""",
+        reason=_REMOTE_EDITS_REASON,
+    ),
+)
 _MODEL_PARALLEL_EDITS = (
     LightningEdit(
         "tests_fabric/strategies/test_model_parallel.py",
@@ -324,7 +470,7 @@ STEPS: tuple[Step, ...] = (
         " reaches every part of it: the FSDP1 and FSDP2 layouts, the optimizer's slices and the sharded branch. A"
         " finer split needs `load` itself cut into versions, which the manifest does not do (it assigns whole"
         " definitions).",
-        lightning_edits=_EMPTY_FILE_EDITS,
+        lightning_edits=_EMPTY_FILE_EDITS + _REMOTE_EDITS,
     ),
     Step(
         slug="fsdp2-shard-local-loading",
