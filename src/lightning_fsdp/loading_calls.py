@@ -21,7 +21,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.loading.agreement import new_namespace
-from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError
+from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError, unexpected_cause
 from lightning_fsdp.loading.files import CheckpointPath
 from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
@@ -168,10 +168,8 @@ def load_options(
         strategy._load_rename, strategy._load_storage_options = previous
 
 
-def refused_path(
-    path: CheckpointPath, error: Exception, raw: bool, strategy: str, shards: str
-) -> CheckpointPathError | None:
-    """The :class:`CheckpointPathError` (a ``ValueError``, as upstream's) to raise instead of ``error``, or ``None``.
+def raise_if_path_refused(path: CheckpointPath, error: Exception, raw: bool, strategy: str, shards: str) -> None:
+    """Raise a :class:`CheckpointPathError` (a ``ValueError``, as upstream's) instead of ``error`` where it applies.
 
     Upstream refuses, for ``fabric.load_raw``, anything but a file, and for ``fabric.load``, anything but a file or a
     directory with a distributed checkpoint's ``.metadata``. This package reads more (Hugging Face directories, a
@@ -182,13 +180,13 @@ def refused_path(
 
     """
     if path.is_file() or (not raw and not isinstance(path, RemotePath) and _is_sharded_checkpoint(path)):
-        return None
+        return
     try:
         detect_checkpoint(path)
     except CheckpointLoadError as detection_error:
         reported = error if isinstance(error, CheckpointLoadError) else detection_error
     else:
-        return None
+        return
     message = str(reported)
     if path.exists():
         if raw:
@@ -202,4 +200,5 @@ def refused_path(
                 f" directory with {shards}, or a single file with a full checkpoint."
             )
         message += f"\n(Lightning's own `{strategy}` refuses it too: {upstream_message})"
-    return CheckpointPathError(message, reported.failed_ranks, cause=reported)
+    refused = CheckpointPathError(message, reported.failed_ranks, cause=reported)
+    raise refused from unexpected_cause(reported)

@@ -37,7 +37,6 @@ from lightning_fsdp.devices import (
     _check_placement,
     _init_context_on_own_device,
 )
-from lightning_fsdp.loading.errors import unexpected_cause
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.materialize import (
     InitRecord,
@@ -52,7 +51,7 @@ from lightning_fsdp.loading_calls import (
     load_into_state,
     load_options,
     load_request,
-    refused_path,
+    raise_if_path_refused,
 )
 
 if TYPE_CHECKING:
@@ -219,16 +218,14 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         try:
             return load_into_state(self, path, state, request, namespace)
         except Exception as error:
-            refused = refused_path(
+            raise_if_path_refused(
                 path,
                 error,
                 raw=module_key is None,
                 strategy=type(self).__name__,
                 shards="distributed checkpoint shards",
             )
-            if refused is None:
-                raise
-            raise refused from unexpected_cause(refused.cause)
+            raise
 
     def load_options(
         self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None

@@ -42,7 +42,6 @@ from lightning_fsdp.devices import (
     _check_placement,
     _init_context_on_own_device,
 )
-from lightning_fsdp.loading.errors import unexpected_cause
 from lightning_fsdp.loading.materialize import (
     InitRecord,
     MetaMaterializer,
@@ -57,7 +56,7 @@ from lightning_fsdp.loading_calls import (
     load_into_state,
     load_options,
     load_request,
-    refused_path,
+    raise_if_path_refused,
 )
 
 if TYPE_CHECKING:
@@ -295,12 +294,10 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         try:
             return load_into_state(self, path, state, request, namespace)
         except Exception as error:
-            refused = refused_path(
+            raise_if_path_refused(
                 path, error, raw=request.module_key is None, strategy="FSDPStrategy", shards="FSDP checkpoint shards"
             )
-            if refused is None:
-                raise
-            raise refused from unexpected_cause(refused.cause)
+            raise
 
     def load_options(
         self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
