@@ -22,7 +22,7 @@ from tests.tests_fabric.helpers.checkpoints import FORMATS, retag_storages, writ
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, TinyTransformer, make_batch
 from tests.tests_fabric.helpers.runif import RunIf
-from tests.tests_fabric.helpers.state import assert_same_state, gather_full_dtensor_state, gather_full_state
+from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
 
 _STRATEGIES = ["fsdp1", "fsdp2"]
 # cuBLAS picks its algorithms deterministically only with a fixed workspace: the resumed run must repeat the losses.
@@ -71,11 +71,6 @@ def _make(fabric: Fabric, seed: int, empty_init: bool = True) -> nn.Module:
     return fabric.setup_module(model)
 
 
-def _full_state(model: nn.Module, optimizer=None) -> dict:
-    is_fsdp2 = any(hasattr(param, "to_local") for param in model.parameters())
-    return (gather_full_dtensor_state if is_fsdp2 else gather_full_state)(model, optimizer)
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
@@ -113,7 +108,7 @@ def _load_every_format(strategy: str, paths: dict[str, str], expected_path: str)
         assert not loader._warned_fallbacks, f"{fmt}: fell back: {loader._warned_fallbacks}"
         _assert_on(model, fabric.device)
         try:
-            assert_same_state(_full_state(model)["model"], expected)
+            assert_same_state(gather_full_state(model)["model"], expected)
         except AssertionError as error:
             raise AssertionError(f"{fmt}: {error}") from None
         done.append(fmt)
@@ -147,7 +142,7 @@ def _load_cuda_tagged(strategy: str, paths: dict[str, str], expected_path: str, 
         model_bytes = sum(_local(t).numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         assert torch.cuda.max_memory_allocated(fabric.device) - before <= model_bytes, tag
         _assert_on(model, fabric.device)
-        assert_same_state(_full_state(model)["model"], expected)
+        assert_same_state(gather_full_state(model)["model"], expected)
         done.append(tag)
     _assert_no_other_gpu_touched(fabric.device)
     return done
@@ -220,7 +215,7 @@ def _load_with_precision(strategy: str, cases: list[tuple[str, str, str]]) -> li
         model = _make(fabric, seed=7)
         fabric.load(path, {"model": model})
         _assert_on(model, fabric.device)
-        actual = _full_state(model)["model"]
+        actual = gather_full_state(model)["model"]
         if precision == "bf16-true":
             assert {t.dtype for t in actual.values()} == {torch.bfloat16}, {k: t.dtype for k, t in actual.items()}
         expected = torch.load(expected_path, weights_only=True)
@@ -264,7 +259,7 @@ def _load_offloaded(strategy: str, path: str) -> bool:
     assert torch.cuda.memory_allocated(fabric.device) == before
     if strategy == "fsdp2":  # `CPUOffloadPolicy()` pins the shards; the load must keep those tensors
         assert all(_local(param).is_pinned() for param in model.parameters())
-    assert_same_state(_full_state(model)["model"], expected)
+    assert_same_state(gather_full_state(model)["model"], expected)
     with torch.no_grad():
         assert torch.isfinite(model(make_batch(0)[0].to(fabric.device))).all()
     return True
@@ -300,7 +295,7 @@ def _round_trip_with_adam(strategy: str, path: str) -> list[float]:
 
     model, optimizer = make(seed=1)
     _train(fabric, model, optimizer, range(2))
-    saved = _full_state(model, optimizer)
+    saved = gather_full_state(model, optimizer)
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
     expected_losses = _train(fabric, model, optimizer, range(2, 4))
 
@@ -313,7 +308,7 @@ def _round_trip_with_adam(strategy: str, path: str) -> list[float]:
     for param_state in fresh_optimizer.optimizer.state.values():
         for key in ("exp_avg", "exp_avg_sq"):
             assert _local(param_state[key]).device == fabric.device, key
-    assert_same_state(_full_state(fresh_model, fresh_optimizer), saved)
+    assert_same_state(gather_full_state(fresh_model, fresh_optimizer), saved)
     resumed_losses = _train(fabric, fresh_model, fresh_optimizer, range(2, 4))
     assert resumed_losses == expected_losses, f"{resumed_losses} != {expected_losses}"
     _assert_no_other_gpu_touched(fabric.device)

@@ -69,16 +69,3 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(value) for value in obj)
     return obj
-
-
-def gather_full_dtensor_state(model: Module, optimizer: Optimizer | None = None) -> dict[str, Any]:
-    """:func:`gather_full_state` for a model whose parameters are ``DTensor``\\ s (FSDP2, tensor parallelism)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    module = getattr(model, "_forward_module", model)
-    options = StateDictOptions(full_state_dict=True)
-    state: dict[str, Any] = {"model": _to_cpu(get_model_state_dict(module, options=options))}
-    if optimizer is not None:
-        optimizer = getattr(optimizer, "optimizer", optimizer)
-        state["optimizer"] = _to_cpu(get_optimizer_state_dict(module, optimizer, options=options))
-    return state
