@@ -8,20 +8,19 @@ same with the sdist from PyPI and runs the carried tests against it.
 import ast
 import io
 import re
-import shutil
 import subprocess
 import sys
 import tokenize
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-import lightning
 import pytest
 
 from lightning_fsdp.upstream import UpstreamError, _apply, destinations, plan
 from lightning_fsdp.upstream.__main__ import main
 from lightning_fsdp.upstream._apply import _changelog, pinned_fingerprints
 from lightning_fsdp.upstream._merge import merge_module
+from lightning_fsdp.upstream._series import reference_tree
 from lightning_fsdp.upstream._source import Source
 
 _DOCS = Path(__file__).resolve().parents[2] / "docs" / "source-fabric" / "upstream.rst"
@@ -35,15 +34,7 @@ def tree(tmp_path: Path) -> Path:
 
 def installed_lightning_tree(root: Path) -> Path:
     """A copy of the installed `lightning` package laid out as a checkout, with empty tests and docs folders."""
-    shutil.copytree(
-        Path(lightning.__file__).parent, root / "src" / "lightning", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    (root / "src" / "version.info").write_text(lightning.__version__)
-    for package in ("tests/tests_fabric", "tests/tests_fabric/utilities"):
-        (root / package).mkdir(parents=True, exist_ok=True)
-        (root / package / "__init__.py").touch()
-    (root / "docs" / "source-fabric").mkdir(parents=True)
-    return root
+    return reference_tree(root)
 
 
 def _code_names(text: str) -> set[str]:

@@ -558,11 +558,11 @@ def _manifest_items() -> list[tuple[str, str]]:
         return text
 
     with tempfile.TemporaryDirectory(prefix="series-manifest-") as directory:
-        plan(_reference_tree(Path(directory)), record)
+        plan(reference_tree(Path(directory)), record)
     return seen
 
 
-def _reference_tree(root: Path) -> Path:
+def reference_tree(root: Path) -> Path:
     """A tree for enumerating what the command carries: the installed release's layout, tests and docs included."""
     import lightning
 
