@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from lightning_fsdp import CheckpointLoadError
+from lightning_fsdp.loading import remote
 from lightning_fsdp.loading.remote import RemoteFile, fetched_bytes, remote_path
 from lightning_fsdp.loading.sharded import CheckedFileSystemReader, read_checked_metadata, read_dcp_metadata
 from tests.tests_fabric.helpers.hostile_dcp import MarkerPayload
@@ -58,8 +59,10 @@ def sharded_url(tmp_path):
     fs.rm("/remote-tests", recursive=True)
 
 
-def test_sharded_entries_are_fetched_exactly(sharded_url):
-    """The validated reader fetches exactly the byte ranges of the entries the plan asks for, and nothing else."""
+def test_sharded_entries_are_fetched_exactly(sharded_url, monkeypatch):
+    """The validated reader fetches exactly the byte ranges of the entries the plan asks for, and nothing else (a large
+    entry in concurrent chunks, each written into its place in the one buffer)."""
+    monkeypatch.setattr(remote, "CHUNK_BYTES", 4096)  # the entry of the 128 KiB tensor comes in 33 chunks
     url, saved = sharded_url
     path = remote_path(url)
     metadata = read_checked_metadata(path, weights_only=True)
