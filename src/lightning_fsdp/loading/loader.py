@@ -217,7 +217,7 @@ def _load_file(
 def _load_sharded(path: Path, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
     if isinstance(path, RemotePath):
         raise CheckpointLoadError(
-            f"{str(path)!r} is a sharded checkpoint in object storage, which lightning-fsdp does not read remotely yet"
+            f"{str(path)!r} is a sharded checkpoint in object storage, which the loader does not read remotely yet"
             " (its files and their pickles are read through torch's distributed checkpoint reader). Copy the directory"
             " to a local or shared file system and load it from there."
         )
@@ -420,7 +420,7 @@ def _warn_fallback(reason: str) -> None:
         return
     _warned_fallbacks.add(reason)
     rank_zero_warn(
-        f"lightning-fsdp cannot load this checkpoint shard-locally ({reason}); falling back to FSDP's full state-dict"
+        f"The checkpoint cannot be loaded shard-locally ({reason}); falling back to FSDP's full state-dict"
         " loading, which needs more memory (FSDP1 all-gathers every unit; FSDP2 broadcasts every tensor whole)."
     )
 
