@@ -15,6 +15,7 @@ import pytest
 from lightning_fsdp.upstream import UpstreamError, plan
 from lightning_fsdp.upstream.__main__ import main
 from lightning_fsdp.upstream._apply import Change, Plan
+from lightning_fsdp.upstream._rewrite import package_mentions
 from lightning_fsdp.upstream._series import (
     STEPS,
     _edited_tests,
@@ -47,6 +48,17 @@ def _git_tree(root: Path) -> Path:
     _git(tree, "add", "--all")
     _git(tree, "commit", "--quiet", "-m", "base")
     return tree
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A git tree with the whole series committed onto it by the command, and the descriptions it wrote."""
+    root = tmp_path_factory.mktemp("series")
+    tree = _git_tree(root / "lightning")
+    descriptions = root / "descriptions"
+    with redirect_stdout(StringIO()):
+        assert main([str(tree), "--series", "--descriptions", str(descriptions)]) == 0
+    return tree, descriptions
 
 
 def test_the_manifest_carries_everything_once(items):
@@ -96,12 +108,8 @@ def test_an_import_of_a_later_module_is_refused(tmp_path):
     ]
 
 
-def test_series_commits_each_step_and_ends_at_the_one_shot_change(tmp_path):
-    tree = _git_tree(tmp_path / "lightning")
-    descriptions = tmp_path / "descriptions"
-    out = StringIO()
-    with redirect_stdout(out):
-        assert main([str(tree), "--series", "--descriptions", str(descriptions)]) == 0
+def test_series_commits_each_step_and_ends_at_the_one_shot_change(committed, tmp_path):
+    tree, descriptions = committed
     total = len(STEPS)
     subjects = _git(tree, "log", "--reverse", "--format=%s", f"HEAD~{total}..HEAD").splitlines()
     assert subjects == [f"({number}/{total}) {step.title}" for number, step in enumerate(STEPS, 1)]
@@ -121,6 +129,25 @@ def test_series_commits_each_step_and_ends_at_the_one_shot_change(tmp_path):
     # The first step only removes the connector's check; the step's own files change, nothing else.
     first = _git(tree, "show", "--name-only", "--format=", f"HEAD~{total - 1}").split()
     assert first == ["src/lightning/fabric/CHANGELOG.md", "src/lightning/fabric/connector.py"]
+
+
+def test_no_step_names_the_package(committed):
+    """No file that a step writes or edits, and no description, names the package (upstream.rst)."""
+    tree, descriptions = committed
+    total = len(STEPS)
+    found = []
+    for number in range(1, total + 1):
+        commit = f"HEAD~{total - number}"
+        paths = _git(tree, "show", "--name-only", "--format=", commit).split()
+        assert paths, f"step {number} changes nothing"
+        for path in paths:
+            found += [
+                f"step {number}: {path}:{line}" for line in package_mentions(_git(tree, "show", f"{commit}:{path}"))
+            ]
+    written = sorted(descriptions.iterdir())
+    assert len(written) == total
+    found += [f"{path.name}:{line}" for path in written for line in package_mentions(path.read_text())]
+    assert found == []
 
 
 def test_series_refuses_a_checkout_with_uncommitted_changes(tmp_path):

@@ -43,7 +43,7 @@ def require_regular_file(path: CheckpointPath, what: str = "checkpoint file") ->
         raise CheckpointLoadError(f"The {what} {str(path)!r} cannot be read: {error.strerror or error}.") from None
     if not stat.S_ISREG(info.st_mode):
         raise CheckpointLoadError(
-            f"The {what} {str(path)!r} is not a regular file but a {_file_kind(info.st_mode)}: lightning-fsdp reads"
+            f"The {what} {str(path)!r} is not a regular file but a {_file_kind(info.st_mode)}: the loader reads"
             " checkpoints from regular files only (a pipe or a device could block every rank). Copy it to a file."
         )
     return info

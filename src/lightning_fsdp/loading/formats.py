@@ -1,7 +1,7 @@
 """Tell checkpoint layouts apart by their content, and open any of them as one kind of tensor source.
 
 :func:`detect_checkpoint` says what a path holds; :func:`open_checkpoint` is the one way to open it, used alike by
-loading, ``lightning-fsdp inspect`` and ``lightning-fsdp convert``. With ``weights_only=True`` every format is read by
+loading, inspecting and converting a checkpoint. With ``weights_only=True`` every format is read by
 proven byte ranges (:mod:`~lightning_fsdp.loading.sources`); a file the caller trusts (``weights_only=False``) may
 hold any object and is read whole by ``torch.load``.
 
@@ -153,7 +153,7 @@ def _sniff_file(path: Path) -> CheckpointFormat:
     if head.lstrip()[:1] == b"{":
         return CheckpointFormat.HF_INDEX
     raise CheckpointLoadError(
-        f"The file {str(path)!r} is not a checkpoint format lightning-fsdp reads: neither a `torch.save` file (zip or"
+        f"The file {str(path)!r} is not a checkpoint format that the loader reads: neither a `torch.save` file (zip or"
         f" legacy), a safetensors file, nor a Hugging Face `*.index.json`. Its first bytes are {head[:8].hex(' ')}."
     )
 
@@ -308,7 +308,7 @@ def open_checkpoint(
 def open_every_tensor(detected: DetectedCheckpoint, weights_only: bool) -> OpenedCheckpoint:
     """Open every tensor of a checkpoint file, each named by its dotted path (``optimizer.state.w.exp_avg``).
 
-    For ``lightning-fsdp inspect``: the same reading and checks as :func:`open_checkpoint`, whatever the file holds.
+    For inspecting a file: the same reading and checks as :func:`open_checkpoint`, whatever the file holds.
     ``raw`` says whether the file is a module state dict (tensors at its top level).
 
     """

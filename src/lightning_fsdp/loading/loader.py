@@ -414,7 +414,7 @@ def _warn_fallback(reason: str) -> None:
         return
     _warned_fallbacks.add(reason)
     rank_zero_warn(
-        f"lightning-fsdp cannot load this checkpoint shard-locally ({reason}); falling back to FSDP's full state-dict"
+        f"The checkpoint cannot be loaded shard-locally ({reason}); falling back to FSDP's full state-dict"
         " loading, which needs more memory (FSDP1 all-gathers every unit; FSDP2 broadcasts every tensor whole)."
     )
 

@@ -31,9 +31,13 @@ from lightning_fsdp.upstream._pinned import PINNED_MASTER_COMMIT, PINNED_MASTER_
 from lightning_fsdp.upstream._rewrite import (
     NameMap,
     drop_package_only,
+    drop_package_only_blocks,
     module_is_package_only,
+    package_mentions,
     rewrite_prose,
     rewrite_python,
+    rst_references,
+    rst_targets,
 )
 from lightning_fsdp.upstream._source import Edit, Source, UpstreamError, apply_edits, docstring_node, indentation
 
@@ -238,6 +242,10 @@ def plan(tree: Path, restrict: Restriction = _everything) -> Plan:
     _carry_tests(root, names, result, restrict)
     _carry_docs(root, names, result, restrict)
     result.notes.extend(f"not carried: src/lightning_fsdp/{name}: {why}" for name, why in _not_carried(ours).items())
+    for change in result.changes:
+        mentions = package_mentions(change.new)
+        if mentions:
+            result.notes.append(f"{change.path}: names the package on lines {', '.join(map(str, mentions))}")
     return result
 
 
@@ -626,18 +634,36 @@ def _carry_docs(root: Path, names: NameMap, result: Plan, restrict: Restriction 
             continue
         carried_examples[example.resolve()] = destination
         result.changes.append(Change(destination, _read_optional(root / destination), rewritten.text, example.name))
-    for page in sorted((docs / "guide").glob("*.rst")):
+    pages = {
+        page: drop_package_only_blocks(page.read_text(), _ours_path(page)) for page in sorted(docs.glob("guide/*.rst"))
+    }
+    _check_package_only_references(pages)
+    for page, (kept, _) in pages.items():
         destination = f"{GUIDE_DIR}/{page.name}"
         where = f"docs/source-fabric/guide/{page.name}"
         if restrict(where, page.read_text()) is None:
             continue
-        rewritten = rewrite_prose(page.read_text(), names, where)
+        rewritten = rewrite_prose(kept, names, where)
         text = _relink_includes(rewritten.text, page, destination, carried_examples, result, where)
         result.notes.extend(rewritten.notes)
-        mentions = [str(number) for number, line in enumerate(text.splitlines(), 1) if "lightning-fsdp" in line]
-        if mentions:
-            result.notes.append(f"{where}: the `lightning-fsdp` package or command on lines {', '.join(mentions)}")
         result.changes.append(Change(destination, _read_optional(root / destination), text, where))
+
+
+def _check_package_only_references(pages: dict[Path, tuple[str, set[str]]]) -> None:
+    """Refuse a guide whose carried text refers to a label or a section that only the package's docs have."""
+    kept_targets = set().union(*(rst_targets(kept) for kept, _ in pages.values()))
+    package_only = set().union(*(dropped for _, dropped in pages.values())) - kept_targets
+    broken = [
+        f"{_ours_path(page)}: `{target}`"
+        for page, (kept, _) in pages.items()
+        for target in sorted(rst_references(kept) & package_only)
+    ]
+    if broken:
+        raise UpstreamError(
+            "the guide refers, outside its package-only blocks, to sections inside them, which upstream's guide would"
+            " not have:\n" + "\n".join(f"  - {reference}" for reference in broken) + "\nMove the reference into the"
+            " block, or the section out of it."
+        )
 
 
 def _relink_includes(
