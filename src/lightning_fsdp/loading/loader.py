@@ -20,13 +20,13 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.loading.conversions import with_declared_conversions
 from lightning_fsdp.loading.errors import CheckpointLoadError, described, quoted_names, unexpected_cause
+from lightning_fsdp.loading.files import StoragePath
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.materialize import init_record
 from lightning_fsdp.loading.optimizer import local_optimizer_state
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
-from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.shard_local import (
     ModuleTargets,
     ShardLocalUnsupported,
@@ -215,7 +215,7 @@ def _load_file(
 
 
 def _load_sharded(path: Path, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
-    if isinstance(path, RemotePath):
+    if isinstance(path, StoragePath):
         raise CheckpointLoadError(
             f"{str(path)!r} is a sharded checkpoint in object storage, which lightning-fsdp does not read remotely yet"
             " (its files and their pickles are read through torch's distributed checkpoint reader). Copy the directory"
