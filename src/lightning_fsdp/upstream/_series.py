@@ -311,7 +311,7 @@ _LOCAL_ONLY_IMPORT = "from lightning.fabric.utilities.cloud_io import _is_local_
 #: reads it whole through `cloud_io`), kept beside it as `_default_load_checkpoint`.
 _REMOTE_DISPATCH = """\
         if not _is_local_file_protocol(path):
-            # Remote storage keeps its loading until the shard-local loader reads it by byte ranges.
+            # Remote storage is read as before (whole, through `cloud_io`) until the loader reads it by byte ranges.
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 """
 _REMOTE_DOCSTRING = """\
