@@ -31,7 +31,7 @@ import subprocess
 import tempfile
 import textwrap
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lightning_fsdp.upstream._apply import Change, Plan, Restriction, find_root, plan
@@ -317,20 +317,26 @@ _REMOTE_DISPATCH = """\
 _REMOTE_DOCSTRING = """\
         A remote path (an fsspec URL such as ``s3://...``) is loaded as before, by ``_default_load_checkpoint``.
 """
-#: `load_options` takes `storage_options` from the remote step on.
-_STORAGE_OPTIONS_SIGNATURE = Interim(
-    "",
-    final="""    def load_options(
+
+
+def _load_options_without_storage_options(file: str) -> tuple[Interim, Interim]:
+    """The strategy's ``load_options`` before the remote step: without ``storage_options``."""
+    signature = Interim(
+        file,
+        final="""    def load_options(
         self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
     ) -> AbstractContextManager:
 """,
-    interim="    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:\n",
-)
-_STORAGE_OPTIONS_CALL = Interim(
-    "",
-    final="        return load_options(self, rename, storage_options)\n",
-    interim="        return load_options(self, rename)\n",
-)
+        interim="    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:\n",
+    )
+    call = Interim(
+        file,
+        final="        return load_options(self, rename, storage_options)\n",
+        interim="        return load_options(self, rename)\n",
+    )
+    return signature, call
+
+
 _REMOTE_INTERIMS = (
     Interim(
         f"{_SRC}/strategy.py",
@@ -350,7 +356,7 @@ _REMOTE_INTERIMS = (
         final="        state, module_key = _checked_state(state)\n",
         interim=_REMOTE_DISPATCH + "        state, module_key = _checked_state(state)\n",
     ),
-    replace(_STORAGE_OPTIONS_SIGNATURE, file=f"{_SRC}/strategy.py"),
+    *_load_options_without_storage_options(f"{_SRC}/strategy.py"),
     Interim(
         f"{_SRC}/strategy.py",
         final="""
@@ -365,7 +371,6 @@ _REMOTE_INTERIMS = (
         final="or a callable, or ``storage_options`` not a dict.\n",
         interim="or a callable.\n",
     ),
-    replace(_STORAGE_OPTIONS_CALL, file=f"{_SRC}/strategy.py"),
     Interim(
         f"{_SRC}/model_parallel.py",
         final="from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers\n",
@@ -382,8 +387,7 @@ _REMOTE_INTERIMS = (
 """,
         interim=_REMOTE_DOCSTRING + '\n        """\n' + _REMOTE_DISPATCH,
     ),
-    replace(_STORAGE_OPTIONS_SIGNATURE, file=f"{_SRC}/model_parallel.py"),
-    replace(_STORAGE_OPTIONS_CALL, file=f"{_SRC}/model_parallel.py"),
+    *_load_options_without_storage_options(f"{_SRC}/model_parallel.py"),
     Interim(
         f"{_DOCS}/guide/loading_large_checkpoints.rst",
         final="""\
