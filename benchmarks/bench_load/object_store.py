@@ -1,7 +1,7 @@
 """The ``s3`` implementation's store: moto's S3 server on 127.0.0.1 (a free port), holding copies of the checkpoints.
 
 The ranks load from ``s3://`` URLs through s3fs with the fake credentials below; the bytes each rank fetched come
-from the client's counter (``lightning_fsdp.loading.remote.fetched_bytes``).
+from the client's counter (``lightning_fsdp.loading.files.fetched_bytes``).
 """
 
 from __future__ import annotations

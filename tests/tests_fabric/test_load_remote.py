@@ -23,6 +23,7 @@ from torch import nn
 from lightning_fsdp import CheckpointLoadError, FSDPStrategy, ModelParallelStrategy
 from lightning_fsdp.loading import progress as progress_module
 from lightning_fsdp.loading import remote
+from lightning_fsdp.loading.files import fetched_bytes
 from lightning_fsdp.loading.progress import PROGRESS_ENV_VAR
 from lightning_fsdp.loading.sources import materialize
 from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
@@ -105,11 +106,11 @@ def _load_local_and_remote(strategy: str, raw: dict[str, tuple[str, str]], full_
             states = []
             for path in (local, url):
                 model, optimizer = _fresh(fabric, seed=7)
-                before = remote.fetched_bytes()
+                before = fetched_bytes()
                 with contextlib.redirect_stderr(io.StringIO()) as bar:
                     fabric.load_raw(path, model)
                 if path == url:
-                    fetched[fmt] = remote.fetched_bytes() - before
+                    fetched[fmt] = fetched_bytes() - before
                     fetched[f"{fmt} bar"] = bar.getvalue()
                 states.append(_full_state(strategy, model, optimizer)["model"])
             assert_same_state(states[1], states[0], fmt)

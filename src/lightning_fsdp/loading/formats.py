@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line, quoted_names
-from lightning_fsdp.loading.files import CheckpointPath, lexists, open_stream, require_regular_file
+from lightning_fsdp.loading.files import CheckpointPath, StoragePath, lexists, open_stream, require_regular_file
 from lightning_fsdp.loading.legacy import read_legacy_structure
-from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.safetensors_header import read_safetensors_locations
 from lightning_fsdp.loading.sources import (
     MAX_TENSORS,
@@ -101,7 +100,7 @@ def detect_checkpoint(path: str | CheckpointPath) -> DetectedCheckpoint:
             nothing the loader can read. The message says what was found.
 
     """
-    path = path if isinstance(path, RemotePath) else Path(path)
+    path = path if isinstance(path, StoragePath) else Path(path)
     if not path.exists():
         raise CheckpointLoadError(
             f"The checkpoint path {str(path)!r} does not exist (no such file or directory). Pass the path of a"
@@ -233,7 +232,7 @@ def load_torch_file(path: Path, weights_only: bool) -> Any:
     """
     require_regular_file(path)
     with unpickling_errors(path, weights_only), ExitStack() as stack:
-        source = stack.enter_context(open_stream(path)) if isinstance(path, RemotePath) else path
+        source = stack.enter_context(open_stream(path)) if isinstance(path, StoragePath) else path
         return torch.load(source, map_location="cpu", mmap=False, weights_only=weights_only)
 
 

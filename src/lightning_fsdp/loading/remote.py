@@ -1,9 +1,11 @@
 """Checkpoints in object storage (``s3://``, ``gs://``, ... through fsspec), read by byte ranges like local files.
 
 A :class:`RemotePath` stands where a local :class:`~pathlib.Path` stands in the loader, and a :class:`RemoteFile`
-where an open file descriptor stands: the readers of every format (:mod:`~lightning_fsdp.loading.files` dispatches)
-ask it for the same proven byte ranges they read from a local file, so each rank fetches only the structures that
-locate its slices and the slices themselves, never the whole object, and keeps no local copy.
+where an open file descriptor stands (they are the :class:`~lightning_fsdp.loading.files.StoragePath` and
+:class:`~lightning_fsdp.loading.files.StorageFile` of object storage): the readers of every format ask it for the same
+proven byte ranges they read from a local file, so each rank fetches only the structures that locate its slices and
+the slices themselves, never the whole object, and keeps no local copy. What it fetches is counted in
+:func:`~lightning_fsdp.loading.files.fetched_bytes`.
 
 A large range is fetched as chunks of :data:`CHUNK_BYTES` on a bounded pool of threads, written straight into the
 destination; small reads (zip headers, the pickles) are served from blocks of :data:`BLOCK_BYTES`, so adjacent small
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line
+from lightning_fsdp.loading.files import StorageFile, StoragePath, count_fetched
 
 #: The size of the chunks a large range is fetched in, concurrently: large enough that a request's latency is small
 #: against its transfer, small enough that a rank's chunks spread over the pool.
@@ -46,8 +49,6 @@ _SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_
 _SECRET_OPTION_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
 
 _T = TypeVar("_T")
-_fetched = [0]
-_fetched_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -63,11 +64,6 @@ def is_remote(path: Any) -> bool:
     return get_protocol(path) not in ("file", "local")
 
 
-def fetched_bytes() -> int:
-    """The bytes this process has fetched from object storage so far (a counter for progress and benchmarks)."""
-    return _fetched[0]
-
-
 @dataclass(frozen=True)
 class RemoteStat:
     """What the loader asks of a file's ``stat``, for an object in object storage."""
@@ -80,7 +76,7 @@ class RemoteStat:
     st_dev: int = 0
 
 
-class RemotePath:
+class RemotePath(StoragePath):
     """An object (or a prefix) in object storage, with the part of :class:`~pathlib.Path` that the loader uses.
 
     Paths made from one another (``path / name``, ``path.parent``) share the store's connection and the sizes and
@@ -176,6 +172,9 @@ class RemotePath:
             file.close()
         return data.decode(encoding)
 
+    def open(self, what: str = "checkpoint file") -> "RemoteFile":
+        return RemoteFile(self, what)
+
     def stat(self, what: str = "checkpoint file") -> RemoteStat:
         """The object's size and fingerprint, pinned on the first call: later files opened on it must match.
 
@@ -258,7 +257,7 @@ class _Shared:
     blocks: dict[str, "OrderedDict[int, bytes]"] = field(default_factory=dict)
 
 
-class RemoteFile:
+class RemoteFile(StorageFile):
     """An object opened for positioned reads: what a file descriptor is to a local file.
 
     Its size and fingerprint are those pinned by the path's first :meth:`RemotePath.stat`.
@@ -333,8 +332,7 @@ class RemoteFile:
         """Bytes ``[start, stop)`` of the object, retried with backoff; exactly that many or an error."""
         fs, fs_path = self.path.fs, self.path.fs_path
         data = _with_retries(lambda: fs.cat_file(fs_path, start=start, end=stop), self, stop - start)
-        with _fetched_lock:
-            _fetched[0] += len(data)
+        count_fetched(len(data))
         return data
 
     def stream(self) -> io.BufferedReader:

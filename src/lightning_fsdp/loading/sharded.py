@@ -9,7 +9,7 @@ upstream lacks:
   every storage mapped to the CPU.
 - Every file is a regular file that holds every byte the metadata places in it, checked before anything is opened, so
   a FIFO or a truncated shard gives an error instead of a hang or a half-read model.
-- A checkpoint in object storage (a :class:`~lightning_fsdp.loading.remote.RemotePath`) is read the same way, through
+- A checkpoint in object storage (a :class:`~lightning_fsdp.loading.files.StoragePath`) is read the same way, through
   the same checks: each rank fetches exactly the byte ranges of its own entries (as DCP's planner gives them) by range
   requests, never a whole shard file and with no local copy, and an object replaced during the load is an error.
 - The checkpoint's entries (tensor or not, global shape, dtype) are compared with the model's sharded state dict and
@@ -63,11 +63,10 @@ from lightning_fsdp.loading.errors import (
     shown_items,
     unexpected_cause,
 )
-from lightning_fsdp.loading.files import CheckpointPath, lexists, require_regular_file
+from lightning_fsdp.loading.files import CheckpointPath, StorageFile, StoragePath, lexists, require_regular_file
 from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
-from lightning_fsdp.loading.remote import RemoteFile, RemotePath
 from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 
@@ -445,12 +444,12 @@ class CheckedFileSystemReader(FileSystemReader):
 
     @override
     def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
-        if isinstance(file, RemoteFile):
+        if isinstance(file, StorageFile):
             return _fetch_entry(file, sinfo)
         return super()._slice_file(file, sinfo)
 
 
-def _fetch_entry(file: RemoteFile, info: _StorageInfo) -> IO[bytes]:
+def _fetch_entry(file: StorageFile, info: _StorageInfo) -> IO[bytes]:
     """The bytes of one entry of a remote shard file, exactly its range, as the stream DCP reads the entry from.
 
     They are fetched straight into the stream's own buffer: one copy of the entry in memory, not two.
@@ -510,28 +509,28 @@ class _WeightsOnlyBytes:
 class _RegularFileSystem(FileSystem):
     """DCP's file system, except that it opens nothing but regular files (a FIFO swapped in after the check).
 
-    A path in object storage is opened as a :class:`~lightning_fsdp.loading.remote.RemoteFile`, which
+    A path in object storage is opened as a :class:`~lightning_fsdp.loading.files.StorageFile`, which
     :meth:`CheckedFileSystemReader._slice_file` reads the entries' ranges from; once they are read, the object must
     still be the one pinned when the files were checked.
 
     """
 
     @override
-    def init_path(self, path: str | os.PathLike | RemotePath) -> Any:
-        return path if isinstance(path, RemotePath) else super().init_path(path)
+    def init_path(self, path: str | os.PathLike | StoragePath) -> Any:
+        return path if isinstance(path, StoragePath) else super().init_path(path)
 
     @override
-    def concat_path(self, path: str | os.PathLike | RemotePath, suffix: str) -> Any:
-        return path / suffix if isinstance(path, RemotePath) else super().concat_path(path, suffix)
+    def concat_path(self, path: str | os.PathLike | StoragePath, suffix: str) -> Any:
+        return path / suffix if isinstance(path, StoragePath) else super().concat_path(path, suffix)
 
     @override
     @contextmanager
-    def create_stream(self, path: str | os.PathLike | RemotePath, mode: str) -> Iterator[Any]:
+    def create_stream(self, path: str | os.PathLike | StoragePath, mode: str) -> Iterator[Any]:
         if mode != "rb":
             raise ValueError(f"A sharded checkpoint is opened for reading only, got mode {mode!r}.")
         what = "shard file of the sharded checkpoint"
-        if isinstance(path, RemotePath):
-            with _remote_file(path, what) as file:
+        if isinstance(path, StoragePath):
+            with _storage_file(path, what) as file:
                 yield file
             return
         with _open_regular_file(Path(path), what) as stream:
@@ -575,11 +574,11 @@ def _open_regular_file(path: CheckpointPath, what: str) -> Iterator[IO[bytes]]:
     """Open ``path`` for reading without blocking on a FIFO, and only if it is a regular file.
 
     An object in object storage is read by range requests, and must be unchanged once it was read
-    (see :func:`_remote_file`).
+    (see :func:`_storage_file`).
 
     """
-    if isinstance(path, RemotePath):
-        with _remote_file(path, what) as file, file.stream() as stream:
+    if isinstance(path, StoragePath):
+        with _storage_file(path, what) as file, file.stream() as stream:
             yield cast(IO[bytes], stream)
         return
     require_regular_file(path, what)
@@ -597,9 +596,9 @@ def _open_regular_file(path: CheckpointPath, what: str) -> Iterator[IO[bytes]]:
 
 
 @contextmanager
-def _remote_file(path: RemotePath, what: str) -> Iterator[RemoteFile]:
+def _storage_file(path: StoragePath, what: str) -> Iterator[StorageFile]:
     """Open an object for range requests; once it was read (or its reading failed), it must be the object pinned."""
-    file = RemoteFile(path, what)
+    file = path.open(what)
     try:
         yield file
     except Exception:

@@ -83,6 +83,13 @@ CHANGELOG_ENTRIES = {
         " HSDP, tensor parallelism and FSDP x tensor parallelism): each rank copies its own slices into its `DTensor`"
         " shards, with no broadcast",
     ],
+    "Changed": [
+        "Changed `FSDPStrategy.load_checkpoint` and `ModelParallelStrategy.load_checkpoint` to read a checkpoint file"
+        " in remote storage (an fsspec URL) by byte ranges, each rank fetching only its own slices, instead of whole on"
+        " every rank, with `weights_only=True` unless `weights_only=False` is passed;"
+        " `load_options(storage_options=...)` passes the file system's options, and a remote sharded checkpoint is"
+        " read by the same validated reader as a local one",
+    ],
     "Fixed": [
         "Fixed `FSDPStrategy` and `ModelParallelStrategy` putting tensors of every rank on `cuda:0` when the cluster"
         " environment is inconsistent; they now refuse with an error that names the values they read",
@@ -590,10 +597,9 @@ def _carry_tests(root: Path, names: NameMap, result: Plan, restrict: Restriction
         relative = file.relative_to(ours).as_posix()
         destination = f"{TESTS_DIR}/{relative}"
         if file.suffix != ".py":
-            if restrict(f"tests/tests_fabric/{relative}", file.read_text()) is not None:
-                result.changes.append(
-                    Change(destination, _read_optional(root / destination), file.read_text(), relative)
-                )
+            kept = restrict(f"tests/tests_fabric/{relative}", file.read_text())
+            if kept is not None:
+                result.changes.append(Change(destination, _read_optional(root / destination), kept, relative))
             continue
         text = file.read_text()
         if module_is_package_only(text):
@@ -625,8 +631,10 @@ def _carry_docs(root: Path, names: NameMap, result: Plan, restrict: Restriction 
             result.notes.append(f"not carried: docs/source-fabric/examples/{example.name} (package-only)")
             continue
         destination = f"{EXAMPLES_DIR}/{example.name}"
-        if restrict(f"docs/source-fabric/examples/{example.name}", text) is None:
+        kept = restrict(f"docs/source-fabric/examples/{example.name}", text)
+        if kept is None:
             continue
+        text = kept
         try:
             rewritten = rewrite_python(text, names, f"docs/source-fabric/examples/{example.name}")
         except UpstreamError as error:
@@ -641,7 +649,8 @@ def _carry_docs(root: Path, names: NameMap, result: Plan, restrict: Restriction 
     for page, (kept, _) in pages.items():
         destination = f"{GUIDE_DIR}/{page.name}"
         where = f"docs/source-fabric/guide/{page.name}"
-        if restrict(where, page.read_text()) is None:
+        kept = restrict(where, page.read_text())
+        if kept is None:
             continue
         rewritten = rewrite_prose(kept, names, where)
         text = _relink_includes(rewritten.text, page, destination, carried_examples, result, where)
