@@ -10,7 +10,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from lightning_fsdp import CheckpointLoadError
 from lightning_fsdp.loading import remote
-from lightning_fsdp.loading.remote import RemoteFile, fetched_bytes, remote_path
+from lightning_fsdp.loading.files import fetched_bytes
+from lightning_fsdp.loading.remote import RemoteFile, remote_path
 from lightning_fsdp.loading.sharded import CheckedFileSystemReader, read_checked_metadata, read_dcp_metadata
 from tests.tests_fabric.helpers.hostile_dcp import MarkerPayload
 
