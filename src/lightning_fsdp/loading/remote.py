@@ -11,6 +11,10 @@ reads cost one request. A failed request is retried with bounded exponential bac
 help (missing object, access denied). The first size and ETag (or version) seen for an object are pinned: a later
 request finding another object, or a different size, is an error, as a replaced local file is.
 
+A chunk's body arrives whole before it is copied, so a process holds at most :data:`MAX_IN_FLIGHT_BYTES` of them at
+once, whatever the number of chunks, readers and threads: fetching costs a bounded amount of memory, not one that
+grows with the requests in flight.
+
 Upstream destination: ``src/lightning/fabric/utilities/load.py``, next to ``cloud_io``.
 """
 
@@ -23,18 +27,22 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line
 
 #: The size of the chunks a large range is fetched in, concurrently: large enough that a request's latency is small
-#: against its transfer, small enough that a rank's chunks spread over the pool.
-CHUNK_BYTES = 8 * 2**20
+#: against its transfer, small enough that a rank's chunks spread over the pool and their bodies stay few MiB.
+CHUNK_BYTES = 2 * 2**20
 #: Reads up to this size (and the buffer of a stream) are served from aligned blocks of it, a few cached per object.
 BLOCK_BYTES = 64 * 2**10
 #: Concurrent requests of one rank.
 MAX_CONCURRENT_REQUESTS = 8
+#: The chunks' response bodies a process holds at once (fsspec returns a body whole, as ``bytes``, before it is copied
+#: into its destination; the client's own copy while it assembles one comes on top, at most as much again).
+MAX_IN_FLIGHT_BYTES = MAX_CONCURRENT_REQUESTS * CHUNK_BYTES
 #: Attempts per request, and the backoff before the second (doubled before each next, at most ``_MAX_BACKOFF_S``).
 ATTEMPTS = 5
 FIRST_BACKOFF_S = 0.2
@@ -298,7 +306,8 @@ class RemoteFile:
 
         def fetch_chunk(chunk: tuple[int, int]) -> None:
             start, stop = chunk
-            buffer[start:stop] = self._fetch(offset + start, offset + stop)
+            with _in_flight.hold(stop - start):  # the body is dropped once copied, before the budget is released
+                buffer[start:stop] = self._fetch(offset + start, offset + stop)
 
         if len(chunks) == 1:
             fetch_chunk(chunks[0])
@@ -403,6 +412,31 @@ def _with_retries(request: Callable[[], bytes], file: RemoteFile, expected: int)
             backoff = min(2 * backoff, _MAX_BACKOFF_S)
     file.check_unchanged()
     raise file.path.request_error(failure, f"could not be read after {ATTEMPTS} attempts")
+
+
+class _ByteBudget:
+    """A count of bytes that threads take before fetching and give back after: at most ``limit`` taken at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._taken = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def hold(self, count: int) -> Iterator[None]:
+        count = min(count, self.limit)  # a larger piece waits until it is alone
+        with self._changed:
+            self._changed.wait_for(lambda: self._taken + count <= self.limit)
+            self._taken += count
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._taken -= count
+                self._changed.notify_all()
+
+
+_in_flight = _ByteBudget(MAX_IN_FLIGHT_BYTES)
 
 
 def _shared_pool() -> ThreadPoolExecutor:
