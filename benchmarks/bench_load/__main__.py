@@ -1,6 +1,7 @@
 """Run the benchmark: ``python benchmarks/bench_load ...``, or ``python -m benchmarks.bench_load ...`` from the root.
 
-The rank processes run this too, as ``python benchmarks/bench_load --_worker CONFIG``.
+The rank processes run this too, as ``python benchmarks/bench_load --_worker CONFIG``, and the S3 server of the remote
+implementations as ``python benchmarks/bench_load --_object_store PORT_FILE:SERVER``.
 """
 
 import os
@@ -20,6 +21,11 @@ if len(sys.argv) == 3 and sys.argv[1] == "--_worker":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # the result is written: skip the seconds that tearing down torch and gloo take
+
+if len(sys.argv) == 3 and sys.argv[1] == "--_object_store":
+    from .object_store import main_server
+
+    main_server()
 
 from .cli import main
 

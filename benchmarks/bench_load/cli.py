@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,7 @@ from .checkpoints import (
     STRATEGY_TITLES,
     write_checkpoints,
 )
-from .object_store import start_object_store
+from .object_store import MASTER_REMOTE_FORMATS, REMOTE_IMPLEMENTATIONS, SERVERS, start_object_store
 from .output import _gb, _log
 from .report import _machine, render
 from .runner import _BUSY_MACHINE, Case, run_case
@@ -59,9 +62,9 @@ def _strategy_cases(args: argparse.Namespace, strategy: str) -> list[Case]:
     cases = []
     for fmt, weights_only in [(f, w) for f in formats for w in (True, False) if w or f in _TRUSTED_FORMATS]:
         for impl in args.implementations:
-            if impl == "s3":
-                label = "lightning-fsdp, from s3:// (moto on loopback)"
-                cases.append(Case(fmt, impl, None, label, None, weights_only, strategy))
+            if impl in REMOTE_IMPLEMENTATIONS:
+                label, reason = _remote_label(args, impl, fmt, weights_only)
+                cases.append(Case(fmt, impl, None, label, reason, weights_only, strategy))
                 continue
             if impl == "upstream":
                 reason = _upstream_unavailable(fmt)
@@ -83,6 +86,36 @@ def _strategy_cases(args: argparse.Namespace, strategy: str) -> list[Case]:
                     reason = "n/a (safetensors is not installed)"
                 cases.append(Case(fmt, impl, k, label, reason, weights_only, strategy))
     return cases
+
+
+def _remote_label(args: argparse.Namespace, impl: str, fmt: str, weights_only: bool) -> tuple[str, str | None]:
+    """The label of a remote row, and why it cannot run (``None`` if it can)."""
+    server = "stock moto" if args.s3_server == "stock" else "moto, ranges served by seek"
+    if impl == "s3":
+        return f"lightning-fsdp, from s3:// ({server})", None
+    if impl == "s3-client-in-base":
+        return f"lightning-fsdp, from s3://, S3 client created before the base ({server})", None
+    label = f"Lightning master, from s3:// ({server})"
+    if fmt not in MASTER_REMOTE_FORMATS or not weights_only:
+        return label, "n/a (Lightning master reads a remote file with `torch.load`: no safetensors, no index)"
+    return label, args.master_problem
+
+
+def _master_problem(source: Path | None) -> str | None:
+    """Why Lightning's source tree at ``source`` cannot run the ``master-s3`` rows beside this environment, or ``None``.
+
+    The rank processes put it first on ``PYTHONPATH``; it must import cleanly with the installed torch and fsspec.
+    """
+    if source is None:
+        return "n/a (give the `src` folder of a Lightning checkout with `--lightning-master`)"
+    check = "import lightning.fabric.strategies, lightning.fabric.utilities.cloud_io as c; print(c.__file__)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
+    found = Path(done.stdout.strip() or ".").resolve()
+    if done.returncode != 0 or not found.is_relative_to(source.resolve()):
+        error = (done.stderr.strip().splitlines() or [f"it imported {found} instead"])[-1]
+        return f"n/a (Lightning at {source} does not import cleanly here: {error})"
+    return None
 
 
 def _upstream_unavailable(fmt: str) -> str | None:
@@ -147,7 +180,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--implementations",
         default="upstream,ours",
-        help="comma-separated: upstream, ours, s3 (ours, loading the same files from moto's S3 server on loopback)",
+        help="comma-separated: upstream, ours, s3 (ours, loading the same files from moto's S3 server on loopback),"
+        " s3-client-in-base (the same, with the S3 client created before the base), master-s3 (Lightning master's"
+        " `load_checkpoint` on the s3:// URL; needs --lightning-master)",
+    )
+    parser.add_argument(
+        "--s3-server",
+        choices=SERVERS,
+        default="stock",
+        help="the S3 server of the remote rows: moto as it is (stock, default), or with the benchmark's shim that"
+        " serves a byte range by a seek and a read (ranged)",
+    )
+    parser.add_argument(
+        "--s3-server-cap", type=parse_bytes, default=None, help="run the S3 server in a memory cgroup of this size"
+    )
+    parser.add_argument(
+        "--lightning-master",
+        type=Path,
+        default=None,
+        help="the `src` folder of a Lightning checkout, put first on the PYTHONPATH of the master-s3 rows' ranks",
     )
     parser.add_argument(
         "--strategy",
@@ -211,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--load-concurrency takes positive integers, 'all' and 'auto', got {bad}")
     if unknown := set(args.formats) - set(FORMATS):
         parser.error(f"unknown formats {sorted(unknown)}")
-    if unknown := set(args.implementations) - {"upstream", "ours", "s3"}:
+    if unknown := set(args.implementations) - {"upstream", "ours", *REMOTE_IMPLEMENTATIONS}:
         parser.error(f"unknown implementations {sorted(unknown)}")
     if args.ranks % args.nodes:
         parser.error("--ranks must be a multiple of --nodes")
@@ -224,16 +275,20 @@ def main(argv: list[str] | None = None) -> int:
     machine = _machine(args.workdir)
     if args.capacity:
         return _capacity(args, machine)
+    args.master_problem = _master_problem(args.lightning_master) if "master-s3" in args.implementations else None
     meta = write_checkpoints(args.workdir, width, depth, args.formats, args.rewrite)
-    store = start_object_store(meta) if "s3" in args.implementations else None
+    remote = set(args.implementations) & set(REMOTE_IMPLEMENTATIONS)
+    store = start_object_store(meta, args.workdir, args.s3_server, args.s3_server_cap) if remote else None
     try:
-        return _run_cases(args, meta, machine, size_label)
+        return _run_cases(args, meta, machine, size_label, store)
     finally:
         if store is not None:
             store.stop()
 
 
-def _run_cases(args: argparse.Namespace, meta: dict[str, Any], machine: dict[str, str], size_label: str) -> int:
+def _run_cases(
+    args: argparse.Namespace, meta: dict[str, Any], machine: dict[str, str], size_label: str, store: Any
+) -> int:
     cases = _cases(args)
     results = []
     for index, case in enumerate(cases, 1):
@@ -245,12 +300,12 @@ def _run_cases(args: argparse.Namespace, meta: dict[str, Any], machine: dict[str
         trusted = "" if case.weights_only else "-trusted"
         name = f"{case.strategy}-{case.format}{trusted}-{case.implementation}-k{case.load_concurrency}"
         run_dir = args.workdir / "runs" / name
-        result = run_case(args, meta, case, run_dir)
+        result = run_case(args, meta, case, run_dir, store=store)
         for _ in range(args.retry_busy):
             if result.get("other_cpu_cores", 0.0) <= _BUSY_MACHINE:
                 break
             _log(f"    other processes used {result['other_cpu_cores']:.2f} cores during the load: once more")
-            again = run_case(args, meta, case, run_dir)
+            again = run_case(args, meta, case, run_dir, store=store)
             if "error" not in again and again.get("other_cpu_cores", 0.0) < result["other_cpu_cores"]:
                 result = again
         if "error" not in result:
@@ -275,6 +330,8 @@ def _run_cases(args: argparse.Namespace, meta: dict[str, Any], machine: dict[str
                 "ranks": args.ranks,
                 "nodes": args.nodes,
                 "files": meta["files"],
+                "s3_server": args.s3_server if store is not None else None,
+                "lightning_master": str(args.lightning_master) if args.lightning_master else None,
                 "results": [{"case": vars(case), **result} for case, result in results],
             },
             indent=1,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .checkpoints import PRESETS
+from .object_store import REMOTE_IMPLEMENTATIONS
 from .output import _gb
 from .runner import _BUSY_MACHINE, _COLD_FILE, Case
 from .sampler import _read_fields
@@ -144,7 +145,7 @@ def render(
             f" | {_signed(r['anon_above_base_less_optimizer'])}"
             f" | {_gb(r['peak_file'])} ({_signed(r['file_above_base'])}) | {_gb(r['after_pss'])}"
             f" | {_node_reads(r, 'read_bytes')} | {_node_reads(r, 'rchar')}"
-            + (f", fetched from S3 {_gb(max(r['fetched_per_node']))}" if "fetched_per_node" in r else "")
+            + (f", fetched from S3 {_gb(max(r['served_per_node']))}" if "served_per_node" in r else "")
             + f" | {correct} |"
         )
 
@@ -171,6 +172,7 @@ def render(
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             *ratio_rows,
         ]
+    lines += _remote_rows(args, meta, results)
     if on_gpu:
         lines += _gpu_rows(results)
     if args.nodes > 1:
@@ -275,6 +277,72 @@ def render(
         " local Adam shards against its own local parameter shards.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _remote_rows(
+    args: argparse.Namespace, meta: dict[str, Any], results: list[tuple[Case, dict[str, Any]]]
+) -> list[str]:
+    """The loads from the S3 server against lightning-fsdp's load of the same local file, and issue 19's targets."""
+    by_key = _measured(results)
+    rows, targets = [], []
+    judged = (
+        (meta["config"]["width"], meta["config"]["depth"]) == PRESETS["1gb"] and args.ranks == 4 and args.nodes == 1
+    )
+    for case, r in results:
+        if case.implementation not in REMOTE_IMPLEMENTATIONS or case.key not in by_key:
+            continue
+        local = by_key.get((case.strategy, case.format, case.weights_only, "ours", None))
+        size = meta["files"][case.format]["bytes"]
+        served = max(r["served_per_node"])
+        client = _gb(max(r["fetched_per_node"])) if "fetched_per_node" in r else "n/a"
+        rows.append(
+            f"| {case.strategy_title} | {case.title} ({_gb(size)}) | {case.label} | {r['load_seconds']:.2f} s"
+            f" | {_ratio(r['load_seconds'], local['load_seconds']) if local else 'n/a'}"
+            f" | {_signed(r['anon_above_base'])} | {_signed(local['anon_above_base']) if local else 'n/a'}"
+            f" | {_gb(served)} ({served / size:.3f}x) | {max(r['requests_per_node'])} | {client}"
+            f" | {_gb(r['server_peak_rss'])} |"
+        )
+        if case.implementation == "master-s3" or local is None:
+            continue
+        extra = r["anon_above_base"] - local["anon_above_base"]
+        seconds = r["load_seconds"] / local["load_seconds"]
+        cells = []
+        for measured, ok in (
+            (f"{served / size:.3f}x", served <= 1.05 * size),
+            (f"{_signed(extra)}", extra <= 0.1 * abs(local["anon_above_base"])),
+            (f"{seconds:.2f}x", seconds <= 2.0),
+        ):
+            cells.append(f"{measured} ({('met' if ok else '**not met**') if judged else 'not judged'})")
+        targets.append(f"| {case.strategy_title} | {case.title} | {case.label} | {' | '.join(cells)} |")
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Loads from the S3 server (moto on 127.0.0.1, in a process of its own) against lightning-fsdp's load of the"
+        " same local file, the row `lightning-fsdp` above (`local`). Fetched per node: the bodies of the `GET`"
+        " responses that the server sent the node's ranks (counted by the server, per node by the User-Agent), and"
+        " that over the file's size; the client's count is lightning-fsdp's own (`remote.fetched_bytes()`). Server"
+        " peak RSS: the server process's own peak during the run (not part of the ranks' memory).",
+        "",
+        "| strategy | checkpoint | implementation | load time | x local | anonymous above base | local's"
+        " | fetched per node (server) | requests per node | fetched per node (client) | server peak RSS |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ]
+    if targets:
+        lines += [
+            "",
+            "Targets of issue 19, judged for the 1gb model on 4 ranks of one node, on loopback: fetched per node at"
+            " most 1.05x the node's slices and headers (on one node: the file); anonymous memory above base within"
+            " 10% of the local load's (the difference, against a tenth of the local load's); load time at most 2x the"
+            " local load's.",
+            "",
+            "| strategy | checkpoint | implementation | fetched per node / file (at most 1.05x)"
+            " | anonymous above base, over the local load's (at most 10% of it) | load time / local (at most 2x) |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *targets,
+        ]
+    return lines
 
 
 def _gpu_rows(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:

@@ -13,11 +13,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .checkpoints import FORMAT_TITLES, STRATEGY_TITLES
+from .object_store import NODE_APP_ID, REMOTE_IMPLEMENTATIONS
 from .output import _log
 from .sampler import Sampler, _PssReading, _write_proc
+
+if TYPE_CHECKING:
+    from .object_store import ObjectStore
 
 _BUSY_MACHINE = 0.25  # cores used by other processes during a load above which its time is marked
 _COLD_FILE = "cold (the checkpoint's pages evicted)"  # `--cache file`
@@ -26,7 +30,7 @@ _COLD_FILE = "cold (the checkpoint's pages evicted)"  # `--cache file`
 @dataclass
 class Case:
     format: str
-    implementation: str  # "upstream" or "ours"
+    implementation: str  # "upstream", "ours", or one of the remote implementations (`REMOTE_IMPLEMENTATIONS`)
     load_concurrency: int | str | None = None
     label: str = ""
     unavailable: str | None = None
@@ -106,10 +110,12 @@ def run_case(
     case: Case,
     run_dir: Path,
     limit: MemoryLimit | None = None,
+    store: ObjectStore | None = None,
 ) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_dir.glob("rank-*.json"):
         stale.unlink()
+    remote = store is not None and case.implementation in REMOTE_IMPLEMENTATIONS
     per_node = args.ranks // args.nodes
     k = case.load_concurrency
     cfg = {
@@ -126,8 +132,8 @@ def run_case(
         "run_dir": str(run_dir),
         "load_concurrency": per_node if k == "all" else k,
         "weights_only": case.weights_only,
-        "remote_url": meta.get("remote", {}).get(case.format) if case.implementation == "s3" else None,
-        "storage_options": meta.get("storage_options"),
+        "remote_url": store.urls[case.format] if remote else None,
+        "storage_options": store.storage_options if remote else None,
         "device": getattr(args, "device", "cpu"),
     }
     cfg_path = run_dir / "config.json"
@@ -143,6 +149,8 @@ def run_case(
         for path in files:
             _warm_page_cache(path)
 
+    if remote:
+        store.reset()
     port = _free_port()
     threads = max(1, (os.cpu_count() or 1) // per_node)
     processes, node_of = [], []
@@ -157,6 +165,13 @@ def run_case(
             "OMP_NUM_THREADS": str(threads),  # what torchrun sets: cores divided among the node's ranks
             "PYTHONWARNINGS": "ignore",
         }
+        if remote:
+            env["AWS_SDK_UA_APP_ID"] = NODE_APP_ID.format(rank // per_node)  # the server counts per node by it
+        if remote and case.implementation == "master-s3":
+            # Lightning master's own code, first on the path; its `get_filesystem(url)` passes no options, so the
+            # endpoint and the credentials reach botocore through the environment, as a user would configure them.
+            env["PYTHONPATH"] = os.pathsep.join([str(args.lightning_master), env.get("PYTHONPATH", "")])
+            env.update(store.environment)
         log = open(run_dir / f"rank-{rank}.log", "w")  # noqa: SIM115 (closed below)
         command = [sys.executable, str(Path(__file__).resolve().parent), "--_worker", str(cfg_path)]
         if limit is not None:
@@ -184,6 +199,7 @@ def run_case(
         log.close()
     sampler.stop()
     confined = limit.close() if limit is not None else {}
+    served = _served(store.counters(), args.nodes) if remote else {}
 
     ranks = []
     for rank in range(args.ranks):
@@ -197,6 +213,7 @@ def run_case(
         "exit_codes": [p.returncode for p, _ in processes],
         "timed_out": timed_out,
         **confined,
+        **served,
     }
     errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if "error" in r]
     if errors or timed_out or any(r.get("phase") != "done" for r in ranks):
@@ -211,6 +228,18 @@ def run_case(
         return result
     result.update(_measure(sampler, node_of, ranks, meta, case))
     return result
+
+
+def _served(counters: dict[str, Any], nodes: int) -> dict[str, Any]:
+    """What the S3 server sent each node during the run (bodies of ``GET`` responses) and its requests."""
+    per_node = [counters["nodes"].get(str(node), {"get_bytes": 0, "requests": 0}) for node in range(nodes)]
+    other = counters["nodes"].get("other", {"get_bytes": 0, "requests": 0})
+    return {
+        "served_per_node": [n["get_bytes"] for n in per_node],
+        "requests_per_node": [n["requests"] for n in per_node],
+        "served_untagged": other["get_bytes"],
+        "server_peak_rss": counters["peak_rss"],
+    }
 
 
 def _measure(

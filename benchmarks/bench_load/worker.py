@@ -16,6 +16,9 @@ from torch import nn
 from .checkpoints import ADAM_LR, ADAM_STEP, Block, Model, _checksum
 from .sampler import _read_fields, _read_io, _write_proc
 
+#: The implementations that run Lightning's own strategies: the installed release, and master from its source tree.
+_LIGHTNING_IMPLEMENTATIONS = ("upstream", "master-s3")
+
 
 def _upstream_strategy_class() -> type:
     """Upstream's ``FSDPStrategy`` with the smallest change that lets it run on CPU.
@@ -57,7 +60,7 @@ def _parallelize(model: Model, device_mesh: Any) -> Model:
 def _make_strategy(cfg: dict[str, Any]) -> Any:
     kwargs = {} if cfg["load_concurrency"] is None else {"load_concurrency": cfg["load_concurrency"]}
     if cfg["strategy"] == "fsdp2":
-        if cfg["implementation"] == "upstream":
+        if cfg["implementation"] in _LIGHTNING_IMPLEMENTATIONS:
             # Upstream's class runs on CPU as it is: it builds its device mesh for the CPU device and uses gloo.
             from lightning.fabric.strategies import ModelParallelStrategy
         else:
@@ -70,7 +73,7 @@ def _make_strategy(cfg: dict[str, Any]) -> Any:
             save_distributed_checkpoint=False,
             **kwargs,
         )
-    if cfg["implementation"] == "upstream":
+    if cfg["implementation"] in _LIGHTNING_IMPLEMENTATIONS:
         if cfg.get("device") == "cuda":  # upstream's class as it is: on a GPU it needs no change
             from lightning.fabric.strategies import FSDPStrategy as UpstreamFSDPStrategy
 
@@ -109,7 +112,13 @@ def _load(cfg: dict[str, Any], fabric: Any, model: nn.Module, optimizer: Any) ->
     path = Path(cfg["path"])
     state = {"model": model} if optimizer is None else {"model": model, "optimizer": optimizer}
     trusted = {} if cfg["weights_only"] else {"weights_only": False}
-    if cfg["remote_url"]:
+    if cfg["implementation"] == "master-s3":
+        # Lightning master's own remote path (`cloud_io._load`: `torch.load` of the object through fsspec).
+        if cfg["format"] == "full":
+            fabric.load(cfg["remote_url"], state, **trusted)
+        else:
+            fabric.load_raw(cfg["remote_url"], model)
+    elif cfg["remote_url"]:
         with fabric.strategy.load_options(storage_options=cfg["storage_options"]):
             fabric.load(cfg["remote_url"], state, **trusted)
     elif cfg["implementation"] != "upstream" or cfg["format"] == "full":
@@ -129,6 +138,14 @@ def _load(cfg: dict[str, Any], fabric: Any, model: nn.Module, optimizer: Any) ->
         del state_dict
     else:
         raise ValueError(f"upstream cannot load the {cfg['format']!r} format")
+
+
+def _create_s3_client(cfg: dict[str, Any]) -> None:
+    """Import s3fs and create the client the load will use (fsspec keeps one per thread and options): what a job that
+    already talked to the store holds before it loads. One ``HEAD`` request of the object."""
+    from lightning_fsdp.loading.remote import remote_path
+
+    remote_path(cfg["remote_url"], cfg["storage_options"]).stat()
 
 
 def _own_parameters(unit: nn.Module) -> dict[str, torch.Tensor]:
@@ -250,6 +267,8 @@ def run_worker(cfg_path: str) -> int:
             # Right after `setup_module`, before any forward (FSDP2 keeps the root's parameters gathered after one).
             optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=ADAM_LR))
             result["optimizer_state_bytes"] = _optimizer_state_bytes(optimizer)
+        if cfg["implementation"] == "s3-client-in-base":
+            _create_s3_client(cfg)
         gc.collect()
         fabric.barrier()
         result["t_base_start"] = time.monotonic()
@@ -279,7 +298,7 @@ def run_worker(cfg_path: str) -> int:
         if io_before and io_after:
             result["io"] = {key: io_after[key] - io_before[key] for key in io_before}
         result["load_seconds"] = end - start
-        if cfg["remote_url"]:
+        if cfg["remote_url"] and cfg["implementation"] != "master-s3":
             from lightning_fsdp.loading.files import fetched_bytes
 
             result["fetched"] = fetched_bytes()

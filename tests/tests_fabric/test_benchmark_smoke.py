@@ -295,3 +295,81 @@ def test_capacity_probe_under_a_cgroup(tmp_path):
     assert outcome["oom_kills"] >= 1
     assert outcome["cgroup_peak_usage"] <= 200 * 2**20
     assert not list((tmp_path / "work" / "capacity").iterdir())  # each size's files deleted after its runs
+
+
+def test_remote_cases_and_their_labels():
+    """The remote rows: lightning-fsdp from s3:// (client created during the load or before the base) and Lightning
+    master's `load_checkpoint`, which reads a remote file with `torch.load` only (no safetensors)."""
+    args = argparse.Namespace(
+        formats=["zip", "safetensors"],
+        implementations=["ours", "s3", "s3-client-in-base", "master-s3"],
+        load_concurrency=None,
+        ranks=2,
+        nodes=1,
+        strategies=["fsdp"],
+        s3_server="ranged",
+        master_problem=None,
+    )
+    cases = [(c.format, c.implementation, c.label, c.unavailable) for c in cli._cases(args)]
+    server = "moto, ranges served by seek"
+    labels = {
+        "ours": "lightning-fsdp",
+        "s3": f"lightning-fsdp, from s3:// ({server})",
+        "s3-client-in-base": f"lightning-fsdp, from s3://, S3 client created before the base ({server})",
+        "master-s3": f"Lightning master, from s3:// ({server})",
+    }
+    assert cases == [
+        *((("zip", impl, label, None)) for impl, label in labels.items()),
+        *((("safetensors", impl, label, None)) for impl, label in list(labels.items())[:3]),
+        ("safetensors", "master-s3", labels["master-s3"], cases[-1][3]),
+    ]
+    assert "no safetensors" in cases[-1][3]
+    assert "--lightning-master" in cli._master_problem(None)
+    assert "does not import cleanly" in cli._master_problem(Path(__file__).parent)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the server's peak memory is read from /proc")
+def test_object_store_shim_serves_what_moto_serves(tmp_path):
+    """The benchmark's range shim (`--s3-server ranged`) answers every range as stock moto does, and the server counts
+    the bytes it sent per node, by the User-Agent."""
+    pytest.importorskip("moto.server")
+    import boto3
+    from benchmarks.bench_load.object_store import NODE_APP_ID, start_object_store
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    data = torch.randint(0, 256, (3 * 2**20 + 17,), dtype=torch.uint8).numpy().tobytes()
+    (tmp_path / "object.bin").write_bytes(data)
+    meta = {"files": {"zip": {"path": str(tmp_path / "object.bin")}}}
+    ranges = ["bytes=0-9", "bytes=5-99999", "bytes=3000000-", "bytes=-100", "bytes=1000000-2999999", "bytes=0-"]
+    answers = {}
+    for server in ("stock", "ranged"):
+        store = start_object_store(meta, tmp_path, server)
+        try:
+            options = store.storage_options
+            client = boto3.client(
+                "s3",
+                endpoint_url=store.endpoint,
+                aws_access_key_id=options["key"],
+                aws_secret_access_key=options["secret"],
+                region_name=options["client_kwargs"]["region_name"],
+                config=Config(user_agent_appid=NODE_APP_ID.format(1)),
+            )
+            store.reset()
+            got = []
+            for spec in ranges:
+                answer = client.get_object(Bucket="bench", Key="zip/object.bin", Range=spec)
+                got.append((answer["ContentRange"], answer["ETag"], answer["ContentLength"], answer["Body"].read()))
+            with pytest.raises(ClientError, match="InvalidRange"):
+                client.get_object(Bucket="bench", Key="zip/object.bin", Range=f"bytes={len(data)}-")
+            counters = store.counters()
+        finally:
+            store.stop()
+        assert [body for *_, body in got] == [data[0:10], data[5:100000], data[3000000:], data[-100:],
+                                              data[1000000:3000000], data]  # fmt: skip
+        node = counters["nodes"]["1"]
+        assert node["requests"] == len(ranges) + 1
+        assert sum(len(body) for *_, body in got) < node["get_bytes"] < sum(len(body) for *_, body in got) + 1000
+        assert counters["peak_rss"] > 0
+        answers[server] = got
+    assert answers["ranged"] == answers["stock"]

@@ -315,11 +315,11 @@ def _load_sharded_local_and_remote(strategy: str, local: str, urls: dict[str, st
             if fabric.global_rank == 0:
                 set_faults(proxy, [])  # zeroes the proxy's counters
             fabric.barrier()
-            before = remote.fetched_bytes()
+            before = fetched_bytes()
             assert fabric.load(path, state) == {}
             fabric.barrier()
             if path == urls["intact"]:
-                outcomes["fetched"] = remote.fetched_bytes() - before
+                outcomes["fetched"] = fetched_bytes() - before
                 outcomes["proxy GET bytes"] = proxy_stats(proxy)["get_bytes"]  # of both ranks
             assert state["step"] == 3
             states.append(gather_full_state(model, optimizer))

@@ -13,6 +13,10 @@ reads cost one request. A failed request is retried with bounded exponential bac
 help (missing object, access denied). The first size and ETag (or version) seen for an object are pinned: a later
 request finding another object, or a different size, is an error, as a replaced local file is.
 
+A chunk's body arrives whole before it is copied, so a process holds at most :data:`MAX_IN_FLIGHT_BYTES` of them at
+once, whatever the number of chunks, readers and threads: fetching costs a bounded amount of memory, not one that
+grows with the requests in flight.
+
 Upstream destination: ``src/lightning/fabric/utilities/load.py``, next to ``cloud_io``.
 """
 
@@ -25,19 +29,23 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line
 from lightning_fsdp.loading.files import StorageFile, StoragePath, count_fetched
 
 #: The size of the chunks a large range is fetched in, concurrently: large enough that a request's latency is small
-#: against its transfer, small enough that a rank's chunks spread over the pool.
-CHUNK_BYTES = 8 * 2**20
+#: against its transfer, small enough that a rank's chunks spread over the pool and their bodies stay few MiB.
+CHUNK_BYTES = 2 * 2**20
 #: Reads up to this size (and the buffer of a stream) are served from aligned blocks of it, a few cached per object.
 BLOCK_BYTES = 64 * 2**10
 #: Concurrent requests of one rank.
 MAX_CONCURRENT_REQUESTS = 8
+#: The chunks' response bodies a process holds at once (fsspec returns a body whole, as ``bytes``, before it is copied
+#: into its destination; the client's own copy while it assembles one comes on top, at most as much again).
+MAX_IN_FLIGHT_BYTES = MAX_CONCURRENT_REQUESTS * CHUNK_BYTES
 #: Attempts per request, and the backoff before the second (doubled before each next, at most ``_MAX_BACKOFF_S``).
 ATTEMPTS = 5
 FIRST_BACKOFF_S = 0.2
@@ -47,10 +55,6 @@ _CACHED_BLOCKS = 16
 _SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_KEY")
 #: Option names (parts of them) whose values are credentials, masked in every message.
 _SECRET_OPTION_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
-
-_T = TypeVar("_T")
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 def is_remote(path: Any) -> bool:
@@ -297,13 +301,20 @@ class RemoteFile(StorageFile):
 
         def fetch_chunk(chunk: tuple[int, int]) -> None:
             start, stop = chunk
-            buffer[start:stop] = self._fetch(offset + start, offset + stop)
+            with _in_flight.hold(stop - start):  # the body is dropped once copied, before the budget is released
+                buffer[start:stop] = self._fetch(offset + start, offset + stop)
 
         if len(chunks) == 1:
             fetch_chunk(chunks[0])
             return
-        for future in [_shared_pool().submit(fetch_chunk, chunk) for chunk in chunks]:
-            future.result()
+        # A pool of this read's own: its threads end with it (none outlive the load), and after a failed chunk the
+        # others are cancelled or waited for, so that no thread writes into the buffer once this call has returned.
+        pool = ThreadPoolExecutor(min(MAX_CONCURRENT_REQUESTS, len(chunks)), thread_name_prefix="lightning-fsdp-fetch")
+        try:
+            for future in [pool.submit(fetch_chunk, chunk) for chunk in chunks]:
+                future.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _read_small(self, offset: int, buffer: memoryview) -> None:
         position, end = offset, offset + len(buffer)
@@ -403,12 +414,29 @@ def _with_retries(request: Callable[[], bytes], file: RemoteFile, expected: int)
     raise file.path.request_error(failure, f"could not be read after {ATTEMPTS} attempts")
 
 
-def _shared_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="lightning-fsdp-fetch")
-        return _pool
+class _ByteBudget:
+    """A count of bytes that threads take before fetching and give back after: at most ``limit`` taken at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._taken = 0
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def hold(self, count: int) -> Iterator[None]:
+        count = min(count, self.limit)  # a larger piece waits until it is alone
+        with self._changed:
+            self._changed.wait_for(lambda: self._taken + count <= self.limit)
+            self._taken += count
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._taken -= count
+                self._changed.notify_all()
+
+
+_in_flight = _ByteBudget(MAX_IN_FLIGHT_BYTES)
 
 
 def _stat_of(info: Mapping[str, Any]) -> RemoteStat:

@@ -1,6 +1,9 @@
 """The remote reader on fsspec's in-memory file system (no server): what the readers rely on beyond ranged reads."""
 
+import os
 import pickle
+import threading
+import time
 
 import fsspec
 import pytest
@@ -88,3 +91,47 @@ def test_sharded_metadata_payload_is_refused(sharded_url, tmp_path):
     with pytest.raises(CheckpointLoadError, match=r"Refused to unpickle `io\.open` .* \(the payload was not run\)"):
         read_dcp_metadata(remote_path(url))
     assert not (tmp_path / "marker").exists()
+
+
+def test_large_ranges_are_fetched_concurrently_with_bounded_bytes_in_flight(monkeypatch):
+    """Two readers of large ranges: their chunks are fetched concurrently, the bytes land where they belong, and the
+    response bodies held at once (from the request until the body is dropped after its copy) never exceed
+    `MAX_IN_FLIGHT_BYTES`, whatever the number of chunks and readers."""
+    data = os.urandom(3 * remote.MAX_IN_FLIGHT_BYTES + 5)
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/remote-tests/large.bin", data)
+    path = remote_path("memory://remote-tests/large.bin")
+    held, peak, lock = [0], [0], threading.Lock()
+
+    class Body(bytes):  # counts as held until the reader drops it
+        def __del__(self) -> None:
+            with lock:
+                held[0] -= len(self)
+
+    cat_file = path.fs.cat_file
+
+    def counting_cat_file(name: str, start: int, end: int) -> bytes:
+        with lock:
+            held[0] += end - start
+            peak[0] = max(peak[0], held[0])
+        time.sleep(0.01)  # the other requests start meanwhile
+        return Body(cat_file(name, start=start, end=end))
+
+    monkeypatch.setattr(path.fs, "cat_file", counting_cat_file)
+    try:
+        file = RemoteFile(path)
+        half = len(data) // 2
+        destinations = [bytearray(half), bytearray(len(data) - half)]
+        readers = [
+            threading.Thread(target=file.read_into, args=(start, memoryview(out), "the tensor 'w'", False))
+            for start, out in zip((0, half), destinations, strict=True)
+        ]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join()
+        assert bytes(destinations[0]) + bytes(destinations[1]) == data
+        assert remote.CHUNK_BYTES < peak[0] <= remote.MAX_IN_FLIGHT_BYTES
+        assert held[0] == 0
+    finally:
+        fs.rm("/remote-tests", recursive=True)
