@@ -13,9 +13,9 @@ from torch import nn
 
 from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
 from lightning_fsdp.loading.errors import CheckpointLoadError
+from tests.tests_fabric.helpers.checkpoints import MarkerPayload
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.hostile_dcp import (
-    MarkerPayload,
     copy_checkpoint,
     corrupt_entry,
     read_metadata,

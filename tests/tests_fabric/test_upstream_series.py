@@ -18,7 +18,7 @@ from lightning_fsdp.upstream._apply import Change, Plan
 from lightning_fsdp.upstream._rewrite import package_mentions
 from lightning_fsdp.upstream._series import (
     STEPS,
-    Interim,
+    EarlierForm,
     _edited_tests,
     _manifest_items,
     assign,
@@ -29,8 +29,10 @@ from tests.tests_fabric.test_upstream import installed_lightning_tree
 
 pytestmark = pytest.mark.package_only
 
-_STRATEGY = "src/lightning_fsdp/strategy.py"
-_LOADING_CALLS = "src/lightning_fsdp/loading_calls.py"
+_SRC = "src/lightning_fsdp"
+_STRATEGY = f"{_SRC}/strategy.py"
+_LOADER = f"{_SRC}/loading/loader.py"
+_LOADING_CALLS = f"{_SRC}/loading_calls.py"
 #: The step that reads remote checkpoints by byte ranges: before it, remote paths keep master's branch.
 _REMOTE_STEP = next(number for number, step in enumerate(STEPS, 1) if "remote.py" in " ".join(step.carries))
 
@@ -80,16 +82,34 @@ def test_the_manifest_refuses_what_is_lost_carried_twice_or_absent(items):
     assert any("no_such_method`, which the change does not carry" in problem for problem in problems)
 
 
+def _step_carrying(entry: str) -> int:
+    return next(number for number, step in enumerate(STEPS, 1) if entry in step.carries)
+
+
+def _moved_to_the_last_step(entry: str) -> tuple:
+    owner = _step_carrying(entry)
+    steps = [
+        replace(step, carries=tuple(carried for carried in step.carries if carried != entry))
+        if number == owner
+        else step
+        for number, step in enumerate(STEPS, 1)
+    ]
+    steps[-1] = replace(steps[-1], carries=(*steps[-1].carries, entry))
+    return tuple(steps)
+
+
 def test_a_step_that_uses_what_a_later_step_brings_is_refused(items):
-    """`setup_module` (step 5) needs `_fsdp_kwargs_added`: moved to the last step, step 5 could not run."""
-    moved = (*STEPS[:-1], replace(STEPS[-1], carries=(*STEPS[-1].carries, f"{_STRATEGY}::_fsdp_kwargs_added")))
-    assignment = assign(items, moved)
+    """`setup_module` needs `_fsdp_kwargs_added`: moved to the last step, the step of `setup_module` could not run."""
+    helper = f"{_STRATEGY}::_fsdp_kwargs_added"
+    owner = _step_carrying(helper)
+    assert owner == _step_carrying(f"{_STRATEGY}::FSDPStrategy.setup_module")
+    assignment = assign(items, _moved_to_the_last_step(helper))
     assert assignment.problems == []
-    restrict = restriction(assignment, 5)
+    restrict = restriction(assignment, owner)
     text = dict(items)[_STRATEGY]
     kept = restrict(_STRATEGY, text)
     assert "def _fsdp_kwargs_added" not in kept
-    assert restrict.problems == [f"step 5: {_STRATEGY} uses `_fsdp_kwargs_added`, which step {len(STEPS)} brings"]
+    assert restrict.problems == [f"step {owner}: {_STRATEGY} uses `_fsdp_kwargs_added`, which step {len(STEPS)} brings"]
     # With the manifest as it is, step 2 keeps only the device methods, and the imports they use.
     early = restriction(assign(items), 2)
     kept = early(_STRATEGY, text)
@@ -123,18 +143,76 @@ def test_remote_paths_keep_masters_branch_until_the_remote_step(items):
     assert "_load_storage_options" not in loading_calls
     assert "from collections.abc import Iterator\n" in loading_calls  # `Mapping` only served the remote options
     assert before.problems == []
+    guide = f"docs/source-fabric/guide/loading_large_checkpoints.rst"
+    assert ":doc:`object_storage`" in texts[guide]
+    assert ":doc:`object_storage`" not in before(guide, texts[guide])
     at_remote_step = restriction(assignment, _REMOTE_STEP)
     for path in (_STRATEGY, _LOADING_CALLS, "src/lightning_fsdp/model_parallel.py"):
         assert at_remote_step(path, texts[path]) == texts[path]
 
 
-def test_an_interim_that_no_longer_matches_the_file_is_refused(items):
-    last = STEPS[-1]
-    stale = Interim(_STRATEGY, final="    def no_such_method(self) -> None:\n", interim="")
-    problems = assign(items, (*STEPS[:-1], replace(last, interims=(*last.interims, stale)))).problems
-    assert problems == [
-        f"step {len(STEPS)}: the lines of {_STRATEGY} that read otherwise before it were found 0 times there (the file"
-        " changed): update its `Interim`"
+def test_an_earlier_form_holds_until_the_step_that_carries_the_definition(items):
+    """The loader's `load` comes without the sharded branch, gets it with the sharded reader, and is ours after."""
+    assignment = assign(items)
+    sharded = _step_carrying(f"{_LOADER}::_load_sharded")
+    carried = assignment.step_of(_LOADER, "load")
+    assert carried > sharded
+    text = dict(items)[_LOADER]
+    first = min(number for number, _, _ in assignment.forms[(_LOADER, "load")])
+    assert assign(items).step_of(_LOADER) == first  # the loader's own step brings `load` in its first form
+    versions = {}
+    for number in (first, sharded, carried):
+        restrict = restriction(assignment, number)
+        versions[number] = restrict(_LOADER, text)
+        assert restrict.problems == []
+    assert "def _load_sharded" not in versions[first]
+    assert "sharded checkpoint, which the distributed checkpoint reader reads" in versions[first]
+    assert "_warn_uninitialized(path, request.module, result.written)" not in versions[first]
+    assert "result = _load_sharded(path, request, stagger)" in versions[sharded]
+    assert "_warn_uninitialized(path, request.module, result.written)" not in versions[sharded]
+    assert "_warn_uninitialized(path, request.module, result.written)" in versions[carried]
+    # Imports that only the left-out definitions used go with them.
+    assert "load_sharded_checkpoint" not in versions[first]
+    # Until the sharded reader, `FSDPStrategy.load_checkpoint` hands a sharded checkpoint to upstream's method.
+    strategy = dict(items)[_STRATEGY]
+    assert "super().load_checkpoint(" in restriction(assignment, first)(_STRATEGY, strategy)
+    assert "super().load_checkpoint(" not in restriction(assignment, sharded)(_STRATEGY, strategy)
+
+
+def test_an_earlier_form_that_no_longer_fits_ours_is_refused(items):
+    """A form whose lines are not in our definition, or that comes from the step that carries it, stops the series."""
+    number = _step_carrying(f"{_SRC}/loading/optimizer.py")
+    form = EarlierForm(f"{_LOADER}::_prepare", old="no such line\n", new="", reason="a test")
+    steps = tuple(
+        replace(step, earlier_forms=(*step.earlier_forms, form)) if index == number else step
+        for index, step in enumerate(STEPS, 1)
+    )
+    assignment = assign(items, steps)
+    assert assignment.problems == []
+    restrict = restriction(assignment, number)
+    restrict(_LOADER, dict(items)[_LOADER])
+    assert restrict.problems == [
+        f"step {number}: {_LOADER}::_prepare: the lines of its earlier form were found 0 times in ours (ours changed):"
+        " update the form in `lightning_fsdp/upstream/_series.py`"
+    ]
+    carried = assignment.step_of(_LOADER, "_prepare")
+    late = tuple(
+        replace(step, earlier_forms=(*step.earlier_forms, form)) if index == carried else step
+        for index, step in enumerate(STEPS, 1)
+    )
+    assert assign(items, late).problems == [
+        f"step {carried} gives an earlier form of `{_LOADER}::_prepare`, which step {carried} completes: only a step"
+        " before it can"
+    ]
+    absent = replace(form, where=f"{_LOADER}::no_such_function")
+    unknown = (replace(STEPS[0], earlier_forms=(absent,)), *STEPS[1:])
+    assert assign(items, unknown).problems == [
+        f"step 1: an earlier form names `{_LOADER}::no_such_function`, which the change does not carry"
+    ]
+    until_absent = replace(form, until=f"{_SRC}/loading/no_such_module.py")
+    unknown = (replace(STEPS[0], earlier_forms=(until_absent,)), *STEPS[1:])
+    assert assign(items, unknown).problems == [
+        f"step 1: an earlier form names `{_SRC}/loading/no_such_module.py`, which the change does not carry"
     ]
 
 
@@ -161,6 +239,15 @@ def test_series_commits_each_step_and_ends_at_the_one_shot_change(committed, tmp
         assert (tree / change.path).read_text() == change.new, change.path
     written = sorted(path.name for path in descriptions.iterdir())
     assert written == [f"{number:02d}-{step.slug}.md" for number, step in enumerate(STEPS, 1)]
+    # The pull requests say which definitions come in an earlier form, and which step completes them.
+    loader_step = _step_carrying(f"{_SRC}/loading_calls.py")  # brings `FSDPStrategy.load_checkpoint`
+    sharded = _step_carrying(f"{_STRATEGY}::FSDPStrategy.load_checkpoint")
+    texts = {number: (descriptions / name).read_text() for number, name in enumerate(written, 1)}
+    assert (
+        f"- `FSDPStrategy.load_checkpoint` comes in an earlier form, completed in ({sharded}/{total}):"
+        in texts[loader_step]
+    )
+    assert "- `FSDPStrategy.load_checkpoint` replaces its earlier form of (" in texts[sharded]
     for path in descriptions.iterdir():
         text = path.read_text()
         for heading in ("## Motivation", "## What changes", "## Measured effect", "## Tests", "## Behaviour changes"):

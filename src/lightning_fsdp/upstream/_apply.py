@@ -78,10 +78,15 @@ CHANGELOG_ENTRIES = {
         " `FSDPStrategy.load_checkpoint` (`fabric.load`, `fabric.load_raw`), shard-locally: each rank reads only the"
         " bytes of its own shard, checked against the file's own structure",
         "Added the `load_concurrency` and `load_progress` arguments to `FSDPStrategy`",
+        "Added shard-local loading of the optimizer states of a full checkpoint to `FSDPStrategy.load_checkpoint`:"
+        " each rank reads only its own slices of every per-parameter state (Adam's `exp_avg`, SGD's `momentum_buffer`)",
         "Added support for running `FSDPStrategy` on CPU with the `gloo` backend",
         "Added shard-local loading of full and raw checkpoints to `ModelParallelStrategy.load_checkpoint` (FSDP2,"
         " HSDP, tensor parallelism and FSDP x tensor parallelism): each rank copies its own slices into its `DTensor`"
         " shards, with no broadcast",
+        "Added support for loading checkpoints into `transformers` models that declare weight conversions (fused"
+        " Mixture-of-Experts weights) with `FSDPStrategy` and `ModelParallelStrategy`: each rank reads only its pieces"
+        " of the checkpoint's expert tensors",
     ],
     "Changed": [
         "Changed `FSDPStrategy.load_checkpoint` and `ModelParallelStrategy.load_checkpoint` to read a checkpoint file"
@@ -96,6 +101,13 @@ CHANGELOG_ENTRIES = {
         "Fixed `ModelParallelStrategy` leaving tensors of modules without `reset_parameters()` (RMSNorm weights, RoPE's"
         " `inv_freq`) uninitialised after `fabric.init_module(empty_init=True)`: the model's own initialisation runs"
         " on each rank's shards",
+        "Fixed `FSDPStrategy` failing to set up a model created with `fabric.init_module(empty_init=True)` whose"
+        " modules lack `reset_parameters()` (RMSNorm, rotary embeddings, Hugging Face models): the model's own"
+        " initialisation runs on each unit as FSDP materialises it",
+        "Fixed `FSDPStrategy.load_checkpoint` and `ModelParallelStrategy.load_checkpoint` running code from the pickles"
+        " of a sharded checkpoint (`.metadata`, non-tensor entries) whatever `weights_only` says: they are unpickled"
+        " weights-only unless `weights_only=False` is passed, and the checkpoint is checked against the model before"
+        " anything is read",
     ],
 }
 _LITERALINCLUDE = re.compile(r"^(\s*\.\. literalinclude:: )(\S+)", re.MULTILINE)

@@ -16,10 +16,10 @@
 Every file that the one-shot command writes, and every definition of the Python files among them, belongs to exactly
 one step (:data:`STEPS`). Step ``k`` of the series is the one-shot change restricted to steps ``1..k``: each of our
 files loses the definitions of later steps (and the imports only they used), and files of later steps are left out.
-Where a later step changes lines of definitions that an earlier step carries, it lists how those lines read before it
-(:class:`Interim`).
-Before anything is written, the series is checked: the manifest covers everything the one-shot command writes, once;
-the union of the steps is the one-shot change; and no step uses a name that only a later step provides.
+Lines of ours may read otherwise in the steps before the one that completes them (:class:`EarlierForm`): a definition
+that an earlier step needs comes in an earlier form, and lines that a later step changes read as they did before it.
+Before anything is written, the series is checked: the manifest covers everything the one-shot command
+writes, once; the union of the steps is the one-shot change; and no step uses a name that only a later step provides.
 """
 
 import ast
@@ -62,9 +62,8 @@ class Step:
     ``carries`` lists what it brings: a path of this project (a glob: the whole file), ``path::Name`` or
     ``path::Class.member`` (one definition of a Python file; the rest of the file stays with the step that carries
     the file), ``CHANGELOG.md::<start of an entry>``, or ``connector`` (the connector's GPU-only check removed).
-    ``lightning_edits`` are the edits of Lightning's own tests that this step makes on purpose, with the reason.
-    ``interims`` are lines of our files that this step changes in definitions an earlier step carries, as they read
-    in the steps before it.
+    ``lightning_edits`` are the edits of Lightning's own tests that this step makes on purpose, with the reason;
+    ``earlier_forms`` are lines of ours as they read from this step until the step that completes them.
 
     """
 
@@ -77,7 +76,42 @@ class Step:
     behaviour: str = "None."
     size: str = ""
     lightning_edits: tuple["LightningEdit", ...] = ()
-    interims: tuple["Interim", ...] = ()
+    earlier_forms: tuple["EarlierForm", ...] = ()
+
+
+@dataclass(frozen=True)
+class EarlierForm:
+    """Lines of ours as they read before the step that completes them: ``old`` reads ``new`` there.
+
+    ``where`` is a definition (``path::Name`` or ``path::Class.member``, as in ``Step.carries``: ``old`` is inside it)
+    or a file (``path``: ``old`` is anywhere in it, an import or a guide page's paragraph). The form holds from the
+    step that gives it until the step that carries ``until`` (a manifest entry; by default ``where``), which completes
+    it; a definition that a later step carries is brought by a form of it. Forms that end at the same step apply
+    together, and a later step's replace an earlier step's; forms that end later apply first, so ``old`` is written
+    against the lines as they read until then. Only our replacement text is stored: ``old`` must be found exactly
+    once, so a change of ours that moves or edits those lines stops the series. Imports that only ``old`` used are
+    left out where the form holds.
+
+    """
+
+    where: str
+    old: str
+    new: str
+    reason: str
+    until: str = ""
+
+    @property
+    def path(self) -> str:
+        return self.where.split("::", 1)[0]
+
+    @property
+    def name(self) -> str:
+        """The definition's name, or the file's path for a form of lines anywhere in the file."""
+        return self.where.split("::", 1)[-1]
+
+    @property
+    def completed_by(self) -> str:
+        return self.until or self.where
 
 
 @dataclass(frozen=True)
@@ -97,19 +131,6 @@ class LightningEdit:
     @property
     def node_id(self) -> str:
         return f"{self.file}::{self.test}"
-
-
-@dataclass(frozen=True)
-class Interim:
-    """Lines of one of our files as they read before the step that lists them: ``final`` becomes ``interim`` there.
-
-    ``final`` must be in the file exactly once. Imports that only ``final`` used are left out before the step.
-
-    """
-
-    file: str  # relative to this project's checkout
-    final: str
-    interim: str
 
 
 _CPU_EDIT = LightningEdit(
@@ -316,9 +337,22 @@ _REMOTE_EDITS = (
         reason=_REMOTE_EDITS_REASON,
     ),
 )
+_LOADER = f"{_SRC}/loading/loader.py"
+_STRATEGY = f"{_SRC}/strategy.py"
+_MODEL_PARALLEL = f"{_SRC}/model_parallel.py"
+_REMOTE = f"{_SRC}/loading/remote.py"
+_REMOTE_REASON = (
+    "a remote path (an fsspec URL) is loaded as before, by the method that `load_checkpoint` replaces (kept as"
+    " `_default_load_checkpoint`), until the step that reads it by byte ranges."
+)
+
+
+def _until_remote(where: str, old: str, new: str) -> EarlierForm:
+    """Lines of ours as they read before the remote reader: remote paths take master's branch."""
+    return EarlierForm(where, old, new, _REMOTE_REASON, until=_REMOTE)
+
+
 _LOCAL_ONLY_IMPORT = "from lightning.fabric.utilities.cloud_io import _is_local_file_protocol\n"
-#: Before the remote step, a remote path takes the method that `load_checkpoint` replaces (master's branch, which
-#: reads it whole through `cloud_io`), kept beside it as `_default_load_checkpoint`.
 _REMOTE_DISPATCH = """\
         if not _is_local_file_protocol(path):
             # Remote storage is read as before (whole, through `cloud_io`) until the loader reads it by byte ranges.
@@ -329,98 +363,110 @@ _REMOTE_DOCSTRING = """\
 """
 
 
-def _load_options_without_storage_options(file: str) -> tuple[Interim, Interim]:
-    """The strategy's ``load_options`` before the remote step: without ``storage_options``."""
-    signature = Interim(
-        file,
-        final="""    def load_options(
+def _load_options_without_storage_options(definition: str) -> tuple[EarlierForm, ...]:
+    """A strategy's ``load_options`` before the remote step: without ``storage_options``."""
+    return (
+        _until_remote(
+            definition,
+            """    def load_options(
         self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
     ) -> AbstractContextManager:
 """,
-        interim="    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:\n",
+            "    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:\n",
+        ),
+        _until_remote(
+            definition,
+            "        return load_options(self, rename, storage_options)\n",
+            "        return load_options(self, rename)\n",
+        ),
     )
-    call = Interim(
-        file,
-        final="        return load_options(self, rename, storage_options)\n",
-        interim="        return load_options(self, rename)\n",
-    )
-    return signature, call
 
 
-_REMOTE_INTERIMS = (
-    Interim(
-        f"{_SRC}/strategy.py",
-        final="from lightning.fabric.strategies.strategy import _apply_filter\n",
-        interim="from lightning.fabric.strategies.strategy import _apply_filter\n" + _LOCAL_ONLY_IMPORT,
+#: Where each strategy's ``load_checkpoint`` first comes (in an earlier form), and the file's imports with it.
+_FSDP_REMOTE_FORMS = (
+    _until_remote(
+        _STRATEGY,
+        "from lightning.fabric.strategies.strategy import _apply_filter\n",
+        "from lightning.fabric.strategies.strategy import _apply_filter\n" + _LOCAL_ONLY_IMPORT,
     ),
-    Interim(
-        f"{_SRC}/strategy.py",
-        final="""\
+    _until_remote(
+        f"{_STRATEGY}::FSDPStrategy.load_checkpoint",
+        """\
         A remote file (an fsspec URL such as ``s3://...``, with the ``storage_options`` of :meth:`load_options`) is
         read the same way, each rank fetching only its own byte ranges; a remote sharded directory too, by the same
         validated reader.
 """,
-        interim=_REMOTE_DOCSTRING,
+        _REMOTE_DOCSTRING,
     ),
-    Interim(
-        f"{_SRC}/strategy.py",
-        final="        state, module_key = _checked_state(state)\n",
-        interim=_REMOTE_DISPATCH + "        state, module_key = _checked_state(state)\n",
+    _until_remote(
+        f"{_STRATEGY}::FSDPStrategy.load_checkpoint",
+        "        state, module_key = _checked_state(state)\n",
+        _REMOTE_DISPATCH + "        state, module_key = _checked_state(state)\n",
     ),
-    *_load_options_without_storage_options(f"{_SRC}/strategy.py"),
-    Interim(
-        f"{_SRC}/strategy.py",
-        final="""
+)
+_FSDP_LOAD_OPTIONS_REMOTE_FORMS = (
+    *_load_options_without_storage_options(f"{_STRATEGY}::FSDPStrategy.load_options"),
+    _until_remote(
+        f"{_STRATEGY}::FSDPStrategy.load_options",
+        """
             storage_options: Options of the fsspec file system that reads a checkpoint URL (``s3://...``), such as
                 ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for ``s3fs``. By default fsspec's usual
                 configuration applies (environment variables, the provider's config files).
 """,
-        interim="",
+        "",
     ),
-    Interim(
-        f"{_SRC}/strategy.py",
-        final="or a callable, or ``storage_options`` not a dict.\n",
-        interim="or a callable.\n",
+    _until_remote(
+        f"{_STRATEGY}::FSDPStrategy.load_options",
+        "or a callable, or ``storage_options`` not a dict.\n",
+        "or a callable.\n",
     ),
-    Interim(
-        f"{_SRC}/model_parallel.py",
-        final="from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers\n",
-        interim="from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers\n"
-        + _LOCAL_ONLY_IMPORT,
+)
+_MODEL_PARALLEL_REMOTE_FORMS = (
+    _until_remote(
+        _MODEL_PARALLEL,
+        "from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers\n",
+        "from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers\n" + _LOCAL_ONLY_IMPORT,
     ),
-    Interim(
-        f"{_SRC}/model_parallel.py",
-        final="""\
+    _until_remote(
+        f"{_MODEL_PARALLEL}::ModelParallelStrategy.load_checkpoint",
+        """\
         A remote file (an fsspec URL such as ``s3://...``) is read the same way, each rank fetching only its own byte
         ranges; a remote sharded directory too, by the same validated reader.
 
         \"\"\"
 """,
-        interim=_REMOTE_DOCSTRING + '\n        """\n' + _REMOTE_DISPATCH,
+        _REMOTE_DOCSTRING + '\n        """\n' + _REMOTE_DISPATCH,
     ),
-    *_load_options_without_storage_options(f"{_SRC}/model_parallel.py"),
-    Interim(
-        f"{_DOCS}/guide/loading_large_checkpoints.rst",
-        final="""\
+    *_load_options_without_storage_options(f"{_MODEL_PARALLEL}::ModelParallelStrategy.load_options"),
+)
+_GUIDE_REMOTE_FORM = _until_remote(
+    f"{_DOCS}/guide/loading_large_checkpoints.rst",
+    """\
 Checkpoints in object storage (``s3://`` and other fsspec URLs) are read the same way, by byte ranges: see
 :doc:`object_storage`.
 """,
-        interim="",
+    "",
+)
+_CALLS = f"{_SRC}/loading_calls.py"
+_CALLS_REMOTE_FORMS = {
+    "LoadingStrategy": _until_remote(
+        f"{_CALLS}::LoadingStrategy", "    _load_storage_options: Mapping[str, Any] | None\n", ""
     ),
-    Interim(f"{_SRC}/loading_calls.py", final="    _load_storage_options: Mapping[str, Any] | None\n", interim=""),
-    Interim(f"{_SRC}/loading_calls.py", final="    strategy._load_storage_options = None\n", interim=""),
-    Interim(
-        f"{_SRC}/loading_calls.py",
-        final="""        return checkpoint_path(strategy, start), new_namespace()
+    "init_loading_options": _until_remote(
+        f"{_CALLS}::init_loading_options", "    strategy._load_storage_options = None\n", ""
+    ),
+    "broadcast_load_path": _until_remote(
+        f"{_CALLS}::broadcast_load_path",
+        """        return checkpoint_path(strategy, start), new_namespace()
     return checkpoint_path(strategy, start.path), start.namespace
 """,
-        interim="""        return Path(start), new_namespace()
+        """        return Path(start), new_namespace()
     return Path(start.path), start.namespace
 """,
     ),
-    Interim(
-        f"{_SRC}/loading_calls.py",
-        final="""def load_options(
+    "load_options": _until_remote(
+        f"{_CALLS}::load_options",
+        """def load_options(
     strategy: LoadingStrategy, rename: Rename | None, storage_options: Mapping[str, Any] | None = None
 ) -> Iterator[None]:
     \"\"\"Set the options of the loads inside the block on ``strategy``, and restore the previous ones after it.\"\"\"
@@ -436,7 +482,7 @@ Checkpoints in object storage (``s3://`` and other fsspec URLs) are read the sam
     finally:
         strategy._load_rename, strategy._load_storage_options = previous
 """,
-        interim="""def load_options(strategy: LoadingStrategy, rename: Rename | None) -> Iterator[None]:
+        """def load_options(strategy: LoadingStrategy, rename: Rename | None) -> Iterator[None]:
     \"\"\"Set the options of the loads inside the block on ``strategy``, and restore the previous ones after it.\"\"\"
     check_rename(rename)
     previous = strategy._load_rename
@@ -447,7 +493,7 @@ Checkpoints in object storage (``s3://`` and other fsspec URLs) are read the sam
         strategy._load_rename = previous
 """,
     ),
-)
+}
 _MODEL_PARALLEL_EDITS = (
     LightningEdit(
         "tests_fabric/strategies/test_model_parallel.py",
@@ -470,6 +516,73 @@ _MODEL_PARALLEL_EDITS = (
         ),
         reason="the warning about modules without `reset_parameters()` moves from `setup_module` to the load that"
         " leaves their tensors unwritten (it names them); the model's own initialisation runs on each rank's shards.",
+    ),
+)
+
+_SHARDED_UPSTREAM = "it is read as before, by the distributed checkpoint reader, until the step that validates it."
+#: Until the sharded reader lands, `load_checkpoint` hands a sharded checkpoint to upstream's own method.
+_SHARDED_TO_UPSTREAM = """\
+        path, namespace = broadcast_load_path(self, path)
+        if not isinstance(state, Module) and _upstream._is_sharded_checkpoint(str(path)):
+            # A sharded checkpoint is read as before, by the distributed checkpoint reader.
+            return super().load_checkpoint(str(path), state, strict=strict, weights_only=weights_only)
+"""
+_LOAD_WITHOUT_SHARDED = EarlierForm(
+    f"{_LOADER}::load",
+    old="""\
+        if detected.format is CheckpointFormat.FABRIC_SHARDED:
+            result = _load_sharded(path, request, stagger)
+        elif collected""",
+    new="""\
+        if detected.format is CheckpointFormat.FABRIC_SHARDED:
+            raise CheckpointLoadError(
+                f"{str(path)!r} is a sharded checkpoint, which the distributed checkpoint reader reads: load it with"
+                " `fabric.load(path, {'model': model})`."
+            )
+        if collected""",
+    reason="without the sharded branch: the strategies hand a sharded checkpoint to their upstream method until then.",
+)
+_LOAD_WITHOUT_UNINITIALIZED = EarlierForm(
+    f"{_LOADER}::load",
+    old="""\
+    _warn_uninitialized(path, request.module, result.written)
+""",
+    new="",
+    reason="without the warning about tensors that the meta-device materialisation left uninitialised.",
+)
+_PREPARE_WITHOUT_CONVERSIONS = EarlierForm(
+    f"{_LOADER}::_prepare",
+    old="""\
+    source = with_declared_conversions(request.module, opened.source, targets)
+""",
+    new="""\
+    source = opened.source
+""",
+    reason="without the model's declared conversions.",
+)
+_PREPARED_WITHOUT_CONVERSIONS = EarlierForm(
+    f"{_LOADER}::_Prepared",
+    old='''\
+    """The checkpoint's tensors, with the model's declared conversions applied (see :mod:`.conversions`)."""
+''',
+    new='''\
+    """The checkpoint's tensors."""
+''',
+    reason="without the model's declared conversions.",
+)
+_FSDP1_ONLY = "without the FSDP2 (`DTensor`) branch, which the step that loads into `ModelParallelStrategy` adds."
+_FSDP_SHARDED_TO_UPSTREAM = (
+    EarlierForm(
+        f"{_STRATEGY}::FSDPStrategy.load_checkpoint",
+        old="        path, namespace = broadcast_load_path(self, path)\n",
+        new=_SHARDED_TO_UPSTREAM,
+        reason=f"a sharded checkpoint goes to upstream's method: {_SHARDED_UPSTREAM}",
+    ),
+    EarlierForm(
+        f"{_STRATEGY}::FSDPStrategy.load_checkpoint",
+        old=_REMOTE_DOCSTRING,
+        new="        A sharded directory is read as before, by the distributed checkpoint reader.\n" + _REMOTE_DOCSTRING,
+        reason=f"a sharded checkpoint goes to upstream's method: {_SHARDED_UPSTREAM}",
     ),
 )
 
@@ -496,11 +609,11 @@ STEPS: tuple[Step, ...] = (
         title="Refuse launches that put two ranks on one device; `init_module` on the rank's own GPU",
         carries=(
             f"{_SRC}/devices.py",
-            f"{_SRC}/strategy.py::FSDPStrategy.setup_environment",
-            f"{_SRC}/strategy.py::FSDPStrategy.module_init_context",
-            f"{_SRC}/model_parallel.py::ModelParallelStrategy.setup_environment",
-            f"{_SRC}/model_parallel.py::ModelParallelStrategy._setup_distributed",
-            f"{_SRC}/model_parallel.py::ModelParallelStrategy.module_init_context",
+            f"{_STRATEGY}::FSDPStrategy.setup_environment",
+            f"{_STRATEGY}::FSDPStrategy.module_init_context",
+            f"{_MODEL_PARALLEL}::ModelParallelStrategy.setup_environment",
+            f"{_MODEL_PARALLEL}::ModelParallelStrategy._setup_distributed",
+            f"{_MODEL_PARALLEL}::ModelParallelStrategy.module_init_context",
             f"{_TESTS}/__init__.py",
             f"{_TESTS}/conftest.py",
             f"{_TESTS}/helpers/__init__.py",
@@ -526,65 +639,336 @@ STEPS: tuple[Step, ...] = (
         " and where they come from, on every rank, instead of running (and running out of memory) on `cuda:0`.",
     ),
     Step(
-        slug="checkpoint-readers",
-        title="Add validated readers for checkpoint files (unused until the next step)",
+        slug="cpu-setup-and-save",
+        title="`FSDPStrategy.setup_module` checks where the tensors are; a CPU model is wrapped and saved as on GPU",
+        carries=(
+            f"{_SRC}/loading/quiet.py",
+            *(
+                f"{_STRATEGY}::{name}"
+                for name in (
+                    "FSDPStrategy.module_sharded_context",
+                    "FSDPStrategy.save_checkpoint",
+                    "FSDPStrategy._set_up_on_cpu",
+                    "FSDPStrategy._setup_module_on_cpu",
+                    "FSDPStrategy._fsdp_wrapper_kwargs",
+                    "_single_fsdp_module",
+                    "_full_state",
+                    "_full_state_dict_type",
+                )
+            ),
+            f"{_TESTS}/test_strategy.py::test_fabric_accepts_our_class_on_cpu",
+            f"{_TESTS}/test_strategy.py::_upstream_wrap_on_cpu",
+            f"{_TESTS}/test_strategy.py::test_cpu_wrapping_works_where_upstream_arguments_fail",
+            f"{_TESTS}/test_quiet.py::test_the_same_warnings_from_user_code_still_show",
+        ),
+        issue="Lightning-AI/pytorch-lightning#18008 (tensors of other ranks on `cuda:0`); the CPU runs of the first"
+        " step.",
+        motivation="`setup_module` now checks, before and after wrapping, that no parameter or buffer lives on a"
+        " CUDA device other than the rank's own, and names the tensors that do. On CPU it wraps with"
+        " `device_id=self.root_device` (the device's index is `None`, which FSDP refuses), and a full checkpoint of a"
+        " CPU model is assembled without FSDP's CPU offload, which returns views of storage it frees right after."
+        " `master` does the CPU part already (#21774, #21805): there these branches repeat it, and a maintainer may"
+        " drop them; the release branch needs them.",
+        effect="No runtime effect on GPU beyond the placement checks, which read each tensor's device once.",
+        behaviour="`setup_module` raises a `RuntimeError` naming the tensors on another rank's GPU, instead of"
+        " training with them there.",
+        earlier_forms=(
+            EarlierForm(
+                f"{_STRATEGY}::FSDPStrategy.setup_module",
+                old="""\
+        record = InitRecord(ties=shared_tensor_names(module))
+        materializer = None
+        if (
+            not wrapped
+            and self._fsdp_kwargs.get("param_init_fn") is None
+            and _upstream._has_meta_device_parameters_or_buffers(module)
+        ):
+            materializer = MetaMaterializer(module, self.root_device)
+        with _fsdp_kwargs_added(self._fsdp_kwargs, param_init_fn=materializer):
+            if self.root_device.type != "cpu":
+                module = super().setup_module(module)
+            else:
+                module = self._setup_module_on_cpu(module)
+        if materializer is not None:
+            record.uninitialized = materializer.uninitialized()
+        attach_init_record(module, record)
+""",
+                new="""\
+        if self.root_device.type != "cpu":
+            module = super().setup_module(module)
+        else:
+            module = self._setup_module_on_cpu(module)
+""",
+                reason="without the meta-device materialisation: FSDP materialises a meta model as before.",
+            ),
+            EarlierForm(
+                f"{_STRATEGY}::FSDPStrategy.setup_module",
+                old="""\
+        wrapped here with ``device_id=self.root_device``, as upstream does it otherwise.
+
+        A model created on the meta device (``fabric.init_module(empty_init=True)``) is materialised unit by unit on
+        the rank's device, as FSDP does, unless a ``param_init_fn`` was given: tensors that two modules share stay
+        one tensor, and each module is initialised by the model's own initialisation (``_init_weights`` of a Hugging
+        Face model, which also computes buffers such as RoPE's ``inv_freq``) and by ``reset_parameters()`` where that
+        leaves a tensor unwritten; a module without either is allowed. Floating-point tensors that nothing wrote are
+        filled with NaN, and a load that leaves any of them unwritten warns, naming them.
+""",
+                new="""\
+        wrapped here with ``device_id=self.root_device``, as upstream does it otherwise.
+""",
+                reason="without the meta-device materialisation: FSDP materialises a meta model as before.",
+            ),
+        ),
+    ),
+    Step(
+        slug="byte-range-sources",
+        title="Add tensor sources that read checkpoint files by validated byte ranges (unused until the loader)",
         carries=(
             f"{_SRC}/loading/__init__.py",
             f"{_SRC}/loading/errors.py",
             f"{_SRC}/loading/files.py",
+            f"{_SRC}/loading/sources.py",
+            f"{_TESTS}/loading/__init__.py",
+            f"{_TESTS}/loading/test_sources.py",
+        ),
+        issue="Lightning-AI/pytorch-lightning#8043 (CPU memory of loading full checkpoints); the first of the private"
+        " helpers that the shard-local loader reads with.",
+        motivation="To copy only each rank's slice of a tensor out of a checkpoint file, the loader must read exactly"
+        " those bytes. A `TensorLocation` says where a tensor's storage is in a file and how the tensor sits in it;"
+        " it is checked against the file (in bounds, strides that fit the storage) before anything is read. A"
+        " `ByteRangeSource` reads a range of a tensor's flattened elements with positioned reads into fresh memory"
+        " (or straight into the destination): no mapping, so a file that shrinks during a load gives an error"
+        " instead of a `SIGBUS`, and it notices a file replaced during the load. Files are opened only if they are"
+        " regular files (a FIFO would block every rank); storage other than the local file system can serve the same"
+        " reads behind `StoragePath` (the last step of this series does, for object storage). The walks over unpickled objects visit each object once (shared references would make a naive"
+        " walk exponential) and refuse absurd nesting.",
+        effect="None yet (unused until the loader). Its tests read located tensors (views, strided, cast) from a file"
+        " written byte by byte, and refuse locations outside their storage or file.",
+        size="SIZE4",
+    ),
+    Step(
+        slug="torch-file-structure",
+        title="Read the structure of `torch.save` files, zip and legacy, with a weights-only walk of their pickles",
+        carries=(
             f"{_SRC}/loading/zip_records.py",
             f"{_SRC}/loading/torch_pickle.py",
             f"{_SRC}/loading/legacy.py",
-            f"{_SRC}/loading/safetensors_header.py",
-            f"{_SRC}/loading/sources.py",
-            f"{_SRC}/loading/formats.py",
-            f"{_SRC}/loading/validation.py",
             f"{_TESTS}/helpers/checkpoints.py",
-            f"{_TESTS}/loading/__init__.py",
-            f"{_TESTS}/loading/test_formats.py",
+            f"{_TESTS}/loading/test_torch_files.py",
         ),
-        issue="Lightning-AI/pytorch-lightning#8043 (CPU memory of loading full checkpoints); the readers that the"
-        " shard-local loader of the next step reads byte ranges with.",
-        motivation="To copy only each rank's slice of a tensor out of a checkpoint file, the loader must know where"
-        " the tensor's bytes are. These private helpers read that from the file's own structure (the zip central"
-        " directory and local headers, a weights-only walk of `data.pkl`, the legacy format's pickles, the"
-        " safetensors header, a Hugging Face `*.index.json`), by positioned reads (storage other than the local"
-        " file system can serve the same reads behind `StoragePath`), check every offset against the tensor it feeds"
-        " (dtype x shape = bytes, in bounds, no overlap), and validate a checkpoint's names, shapes and dtypes"
-        " against a model before anything is written.",
-        effect="None yet (unused until the next step). The readers' tests write every format with `torch.save`,"
-        " `safetensors` and the legacy serialisation and read them back, and refuse truncated and malformed files.",
-        size="About 2,500 source lines: one reader per format, each proven against the file's structure. They are"
-        " private and unused until the next step; a reviewer may ask to split them by format (zip, legacy,"
-        " safetensors), which the manifest supports (it assigns single definitions).",
+        issue="Lightning-AI/pytorch-lightning#8043; the reader of the two `torch.save` formats for the shard-local"
+        " loader.",
+        motivation="A `torch.save` file says where each storage is in its own structure: in the zip format, the"
+        " central directory and the local headers (checked against each other, every byte accounted for, records"
+        " stored uncompressed), in the legacy format the pickles that precede the data. `data.pkl` is unpickled with"
+        " torch's weights-only unpickler (or the plain one for a trusted file), with every storage on the meta"
+        " device, so the file's object is known without reading its data; `locate` turns its tensors into"
+        " `TensorLocation`s for the sources of the previous step. A payload in the pickle is refused before it runs.",
+        effect="None yet (unused until the loader). The tests read every tensor of zip and legacy files, views and"
+        " shared storages included, by byte ranges, and refuse payloads, truncated files, compressed records and"
+        " storages whose checksum does not match.",
+        size="448 source lines: the zip directory (149), the weights-only walk of `data.pkl` (176) and the legacy"
+        " format (112), which returns the same structure as the zip reader and reuses its unpickling.",
+    ),
+    Step(
+        slug="safetensors-header",
+        title="Read the safetensors header, checked against the file",
+        carries=(
+            f"{_SRC}/loading/safetensors_header.py",
+            f"{_TESTS}/loading/test_safetensors_header.py",
+            f"{_TESTS}/loading/test_bounded_parsing.py::_safetensors_of_empty_tensors",
+            f"{_TESTS}/loading/test_bounded_parsing.py::"
+            "test_a_safetensors_header_with_more_tensors_than_the_limit_is_refused_before_it_is_parsed",
+            f"{_TESTS}/loading/test_bounded_parsing.py::"
+            "test_a_safetensors_header_larger_than_the_library_allows_is_refused_unread",
+            f"{_TESTS}/loading/test_bounded_parsing.py::test_a_repeated_name_in_a_safetensors_header_is_still_refused",
+        ),
+        issue="Lightning-AI/pytorch-lightning#8043; safetensors files (`model.safetensors`) for the shard-local"
+        " loader.",
+        motivation="A safetensors file is an 8-byte header size, a JSON header and the tensors' bytes. The header is"
+        " read with the library's own limits (size, entries, repeated names) and every entry checked as the library"
+        " checks it (dtype, shape, offsets that tile the data exactly), so each tensor's `TensorLocation` is proven"
+        " before anything is read; nothing is unpickled.",
+        effect="None yet (unused until the loader). A header with more tensors than the limit is refused before it is"
+        " parsed.",
+    ),
+    Step(
+        slug="checkpoint-formats",
+        title="Tell checkpoint formats apart by their content, and open any of them as one tensor source",
+        carries=(
+            f"{_SRC}/loading/formats.py",
+            f"{_TESTS}/loading/test_formats.py",
+            f"{_TESTS}/loading/test_bounded_parsing.py",
+            f"{_TESTS}/loading/test_hostile_files.py",
+            f"{_TESTS}/test_names.py::state_dict",
+            f"{_TESTS}/test_names.py::test_fabric_load_without_the_model_entry_names_the_calls_that_work",
+            f"{_TESTS}/test_names.py::test_load_raw_refuses_an_ambiguous_checkpoint",
+        ),
+        issue="Lightning-AI/pytorch-lightning#18008 (`KeyError: 'model'` for a converted checkpoint), #8043.",
+        motivation="A path is a sharded directory, a Fabric full checkpoint, a raw module state dict (zip or legacy),"
+        " a safetensors file or a Hugging Face index (an `*.index.json`, or the directory holding it): the format"
+        " is told from the content, not the name. `open_checkpoint` opens any file as one tensor source, tells a raw"
+        " state dict from a Fabric checkpoint by its content (with an error that names the calls that load a file"
+        " whose module state is under another key), and keeps the other entries of a checkpoint as references that"
+        " a rank reads only where it needs them. A Hugging Face index is read once, bounded in size, and may only"
+        " name shards next to it. A trusted pickle (`weights_only=False`) is read whole.",
+        effect="None yet (unused until the loader). The tests detect and read every format, refuse each kind of bad"
+        " input with one message that says what was found, and refuse crafted indexes before they are parsed.",
+        size="484 source lines: detection, opening and the Hugging Face index are one module whose functions each"
+        " dispatch over every format, with the messages that say what a file holds and which call loads it.",
+    ),
+    Step(
+        slug="checkpoint-validation",
+        title="Check a checkpoint's names, shapes and dtypes against a model before anything is written",
+        carries=(
+            f"{_SRC}/loading/validation.py",
+            *(
+                f"{_TESTS}/loading/test_layouts.py::{name}"
+                for name in (
+                    "test_plan_maps_tied_aliases_and_casts",
+                    "test_plan_reports_every_problem_at_once",
+                    "test_plan_refuses_integer_to_float_casts",
+                )
+            ),
+            *(
+                f"{_TESTS}/test_names.py::{name}"
+                for name in (
+                    "_INFO",
+                    "_targets",
+                    "_specs",
+                    "_prefixed",
+                    "_causal_lm_state",
+                    "test_one_prefix_is_aligned_automatically",
+                    "test_names_that_match_are_left_alone",
+                    "test_causal_lm_checkpoint_into_the_base_model",
+                    "test_several_fitting_prefixes_are_not_guessed",
+                    "test_a_prefix_that_leaves_model_tensors_missing_is_advised_not_applied",
+                    "test_nothing_in_common_gives_no_advice_that_fails",
+                    "_with_exact_embedding",
+                    "test_an_exact_name_wins_over_the_alignment",
+                    "test_explicit_rename",
+                    "test_bad_renames_are_refused",
+                )
+            ),
+            *(
+                f"{_TESTS}/test_peft.py::{name}"
+                for name in (
+                    "_ADVISED",
+                    "_specs",
+                    "_targets",
+                    "test_a_substituted_component_is_advised",
+                    "test_the_insertion_advised_keeps_shapes",
+                    "test_what_the_advised_rename_does_not_load_is_named",
+                )
+            ),
+        ),
+        issue="Lightning-AI/pytorch-lightning#18008; the validation that makes a failed load leave the model as it"
+        " was.",
+        motivation="`load_state_dict` checks a state dict while it writes it, and an FSDP load that fails halfway"
+        " leaves some units written. `plan_load` compares the checkpoint's names, shapes and dtypes with the model's"
+        " before anything is read, and raises one error that lists every problem, with the fix: tied weights count"
+        " once, floating-point tensors are cast, other dtype changes and shape mismatches are errors even with"
+        " `strict=False`. Names that differ by a prefix that a wrapper added (`module.`, `_orig_mod.`) or by the"
+        " model class (`model.*` of a `LlamaForCausalLM` for a `LlamaModel`) are aligned when exactly one prefix"
+        " fits; otherwise the error names the `rename` that fits the file.",
+        effect="None yet (unused until the loader).",
+        size="648 source lines, 310 of them (from `_alignment` on) the automatic prefix alignment and the advice in"
+        " the errors (the `rename` that fits the file), which `plan_load` decides in the same pass as the matching:"
+        " a cut would need an earlier form of `plan_load` and of the strategies' `load_options`.",
+    ),
+    Step(
+        slug="fsdp1-shard-layout",
+        title="Add FSDP1's shard layout: each rank's ranges of every tensor, and the copy into them",
+        carries=(
+            f"{_SRC}/loading/shard_local.py",
+            f"{_TESTS}/loading/test_layouts.py",
+            f"{_TESTS}/loading/test_formats.py::test_shards_are_read_straight_into_the_parameter",
+        ),
+        issue="Lightning-AI/pytorch-lightning#8043; the shard-local copy of the loader.",
+        motivation="With FSDP1, every wrapped unit has a `FlatParameter` whose shard infos say which slice of each"
+        " original parameter this rank holds. `collect_targets` turns them into targets: for each checkpoint tensor,"
+        " the runs of its flattened elements that this rank holds and where they go in its shard (tied aliases and"
+        " buffers included); `copy_into_module` reads exactly those runs from a tensor source, casting where the plan"
+        " says, straight into the shard's memory. A layout the copy does not know (a unit unsharded right now, a"
+        " `FlatParameter` without shard infos) says so, for the loader to fall back.",
+        effect="None yet (unused until the loader). The tests copy a faked two-rank layout from a checkpoint, through"
+        " tied aliases and casts, and read a slice of a file straight into a parameter, with no buffer between.",
+    ),
+    Step(
+        slug="load-agreement",
+        title="Add an agreement between ranks for checkpoint loads: every rank returns or every rank raises",
+        carries=(
+            f"{_SRC}/loading/agreement.py",
+            f"{_TESTS}/loading/test_agreement.py",
+        ),
+        issue="Lightning-AI/pytorch-lightning#18008 (a load that fails on one rank hangs the others until the process"
+        " group times out).",
+        motivation="A load fails on one rank (a missing tensor in its shard, an I/O error) while the others wait for"
+        " it in the next collective, until the process group times out. The agreement runs on the process group's"
+        " store, never in a collective: at each point where ranks must agree, each says whether it failed; if any"
+        " did, every rank raises the same error, quickly, naming the failing ranks. Heartbeats let a waiting rank"
+        " tell a slow rank from a dead one in seconds, for every store type, and every wait is bounded. Each load"
+        " agrees under a namespace of its own, so a load that failed on one rank cannot shift the next one.",
+        effect="None yet (unused until the loader).",
+        size="577 source lines: the protocol (flags, heartbeats, the failure report) is one class, and the waiting"
+        " rank's checks for a dead rank or an unreachable store are part of every wait.",
+    ),
+    Step(
+        slug="load-progress",
+        title="Add a progress bar for checkpoint loads, one per node",
+        carries=(
+            f"{_SRC}/loading/progress.py",
+            f"{_TESTS}/loading/test_progress.py",
+        ),
+        issue="Lightning-AI/pytorch-lightning#18138 (a multi-minute load of a large checkpoint shows nothing).",
+        motivation="Loading a large checkpoint can take minutes, with ranks waiting for their turn. `LoadProgress`"
+        " shows one bar per node (through `tqdm`, on local rank 0 only, and only on a terminal), with the node's"
+        " bytes and tensors, the rate and the turn; an environment variable turns it off.",
+        effect="None yet (unused until the loader).",
     ),
     Step(
         slug="node-turns",
-        title="Add node turns and an agreement between ranks for checkpoint loads (unused until the next step)",
+        title="Add node turns for sources that must be read whole (unused until the loader)",
         carries=(
-            f"{_SRC}/loading/agreement.py",
             f"{_SRC}/loading/memory.py",
-            f"{_SRC}/loading/progress.py",
             f"{_SRC}/loading/turns.py",
-            f"{_TESTS}/loading/test_agreement.py",
             f"{_TESTS}/loading/test_memory.py",
-            f"{_TESTS}/loading/test_progress.py",
             f"{_TESTS}/loading/test_turns.py",
+            *(
+                f"{_TESTS}/loading/test_agreement.py::{name}"
+                for name in (
+                    "_launch",
+                    "_entry",
+                    "_die",
+                    "_one_rank_dies",
+                    "_assert_survivors_name",
+                    "test_a_killed_rank_is_named_on_every_other_rank",
+                    "test_a_killed_rank_is_named_with_a_file_store",
+                    "test_the_store_host_killed_is_a_clean_error_at_once",
+                    "_turns_and_a_failure",
+                    "test_turns_and_failures_on_every_store_type",
+                    "_keys_after_blocks",
+                    "test_the_keys_of_finished_loads_are_deleted",
+                    "_quiet_wait",
+                    "test_waiting_for_a_turn_prints_nothing",
+                )
+            ),
+            f"{_TESTS}/loading/test_progress.py::_node_progress",
+            f"{_TESTS}/loading/test_progress.py::test_one_bar_per_node_with_the_node_totals",
         ),
         issue="Lightning-AI/pytorch-lightning#18138 (closed: the local ranks of a node load a full checkpoint one"
         " after the other, to avoid CPU OOM), #18008.",
         motivation="A source that must be materialised whole in host memory (a pickle that may hold any object, read"
-        " with `weights_only=False`) costs one full copy per rank when every rank of a node reads it at once. These"
-        " private helpers let at most `k` ranks of a node hold one at a time (`k` from the caller, or from the"
-        " memory the node has free), without a collective inside a turn (FSDP's unshard is one: a waiting rank"
-        " would deadlock it) and without tripping the process group's timeout while a rank waits. Between turns"
-        " and at the end the ranks agree on success through the store: if any rank failed, every rank raises the"
-        " same error, quickly, naming the failing rank; a rank that died is noticed by the others in seconds.",
-        effect="None yet (unused until the next step). With it, from benchmarks/README.md (1.07 GB legacy-format"
+        " with `weights_only=False`) costs one full copy per rank when every rank of a node reads it at once."
+        " `StaggeredLoad` lets at most `k` ranks of a node hold one at a time (`k` from the caller, or from the"
+        " memory the node has free, bounded by its cgroup), in local-rank order, each handing the memory back to the"
+        " system before the next starts; nodes proceed in parallel. Turns run on the agreement of the previous"
+        " steps, never in a collective: a collective inside a turn (FSDP's unshard) would deadlock the waiting"
+        " ranks, and waiting never trips the process group's timeout.",
+        effect="None yet (unused until the loader). With it, from benchmarks/README.md (1.07 GB legacy-format"
         " checkpoint read whole with `weights_only=False`, 4 CPU ranks): peak memory +1.08 GB above base with"
         " `k=1` against +4.30 GB with all four ranks at once (upstream: +5.30 GB), in 5.12 s against 2.46 s.",
-        size="About 1,260 source lines, most in the agreement (every rank returns or every rank raises, with"
-        " heartbeats, for every store type and with bounded waits), which the loader of the next step needs whole.",
+        size="468 source lines: the turn schedule (351) and the memory a node has free, cgroup v1 and v2 (117).",
     ),
     Step(
         slug="fsdp-shard-local-loading",
@@ -592,79 +976,425 @@ STEPS: tuple[Step, ...] = (
         carries=(
             f"{_SRC}/loading/*.py",
             f"{_SRC}/loading_calls.py",
-            f"{_SRC}/strategy.py",
+            f"{_STRATEGY}",
             f"{_TESTS}/helpers/*",
-            f"{_TESTS}/loading/*",
             f"{_TESTS}/test_*.py",
-            f"{_TESTS}/loading/test_formats.py::test_shards_are_read_straight_into_the_parameter",
             f"{_TESTS}/loading/test_turns.py::_slow_turns_under_short_timeout",
             f"{_TESTS}/loading/test_turns.py::test_slow_turns_do_not_trip_a_short_process_group_timeout",
             f"{_TESTS}/loading/test_turns.py::test_invalid_concurrency",
-            f"{_DOCS}/guide/*",
-            f"{_DOCS}/examples/*",
             "CHANGELOG.md::Added support for loading raw module state dicts",
             "CHANGELOG.md::Added the `load_concurrency` and `load_progress` arguments",
         ),
         issue="Lightning-AI/pytorch-lightning#18008 (`KeyError: 'model'` and one full copy per rank when loading a"
         " converted checkpoint into FSDP), #8043 (CPU OOM of full checkpoints).",
         motivation='`fabric.load(path, {"model": model})` on a file that holds only a module\'s state dict (a'
-        " converted `lit-llama.pth`, `pytorch_model.bin`) raises `KeyError: 'model'`, and a full checkpoint with"
-        " optimizer state is materialised on every rank. `load_checkpoint` now tells the format from the content,"
-        " validates names, shapes and dtypes on every rank before writing, and copies each rank's slices of the"
-        " parameters and of the optimizer state into its FSDP shards, reading only those bytes. Pickles that must"
-        " be read whole (`weights_only=False`) are read by at most `load_concurrency` ranks of a node at a time;"
-        " an error on any rank is raised on every rank. A remote path (an fsspec URL) is still loaded by the method"
-        " this one replaces, kept as `_default_load_checkpoint`, until the last pull request of this series reads it"
-        " by byte ranges too.",
+        " converted `lit-llama.pth`, `pytorch_model.bin`) raises `KeyError: 'model'`, and every rank reads a full"
+        " checkpoint whole. `load_checkpoint` now detects the format and opens the file with the readers of the"
+        " previous steps, validates names, shapes and dtypes on every rank before writing, and copies each rank's"
+        " slices of the parameters into its FSDP shards (the `FlatParameter`'s shard infos), reading only those"
+        " bytes. Pickles that must be read whole (`weights_only=False`) are read in node turns; an error on any rank"
+        " is raised on every rank. A remote path (an fsspec URL) is still loaded by the method this one replaces,"
+        " kept as `_default_load_checkpoint`, until the last pull request of this series reads it by byte ranges"
+        " too. An FSDP configuration that the"
+        " shard-local path does not know falls back to FSDP's full state-dict loading, with one warning. Optimizer"
+        " states, sharded directories and the meta-device materialisation keep upstream's path until their steps.",
+        effect="From benchmarks/README.md (1.07 GB model, 4 CPU ranks, gloo, cold cache): a raw zip file loads in"
+        " 1.07 s instead of 4.79 s, with +1.8 MB above base instead of +1.90 GB; safetensors and Hugging Face"
+        " indexes (not supported before) load in 0.87 s and 0.96 s with +1.4 MB.",
+        behaviour="`fabric.load` and `fabric.load_raw` accept raw state dicts, `.safetensors` files and Hugging Face"
+        " indexes. `weights_only=None` means `True` for every file the method reads. An empty or truncated file"
+        " raises `CheckpointLoadError` (a `ValueError` where upstream raised one). New arguments `load_concurrency`"
+        " and `load_progress`. A remote path is loaded as before.",
+        size="676 source lines: the loader (357: detect, open, validate, agree, copy, fall back) and what the"
+        " strategy does around it (319 in `strategies/fsdp.py`: the request from `state`, the path broadcast, the"
+        " per-load options, upstream's error types for refused paths, and `load_checkpoint`). The readers, the"
+        " validation, the layout, the agreement and the turns came in the steps before; the loader calls each of them"
+        " once.",
+        lightning_edits=_EMPTY_FILE_EDITS,
+        earlier_forms=(
+            *_FSDP_REMOTE_FORMS,
+            *_FSDP_LOAD_OPTIONS_REMOTE_FORMS,
+            *_CALLS_REMOTE_FORMS.values(),
+            *_FSDP_SHARDED_TO_UPSTREAM,
+            EarlierForm(
+                f"{_STRATEGY}::FSDPStrategy.load_checkpoint",
+                old="""\
+        Full files are loaded shard-locally: each rank copies only its own slice of every parameter and optimizer
+        state into its shard, reading only those bytes,""",
+                new="""\
+        Full files are loaded shard-locally: each rank copies only its own slice of every parameter into its shard
+        (optimizer states take FSDP's own path), reading only those bytes,""",
+                reason="optimizer states are loaded by FSDP's own path until the step that slices them.",
+            ),
+            EarlierForm(
+                f"{_STRATEGY}::FSDPStrategy.load_checkpoint",
+                old="Names, shapes and dtypes (of the optimizer state too) are checked",
+                new="Names, shapes and dtypes are checked",
+                reason="optimizer states are loaded by FSDP's own path until the step that slices them.",
+            ),
+            _LOAD_WITHOUT_SHARDED,
+            _LOAD_WITHOUT_UNINITIALIZED,
+            EarlierForm(
+                f"{_LOADER}::_prepare",
+                old="""\
+        if collected is not None:
+            try:
+                optimizer_states[key] = local_optimizer_state(optimizer, collected, saved)
+                continue
+            except ShardLocalUnsupported as reason:
+                _warn_fallback(f"optimizer {key!r}: {reason}")
+""",
+                new="",
+                reason="optimizer states are loaded by FSDP's own path until the step that slices them.",
+            ),
+            _PREPARE_WITHOUT_CONVERSIONS,
+            _PREPARED_WITHOUT_CONVERSIONS,
+            EarlierForm(
+                f"{_LOADER}::_module_targets",
+                old="""\
+    collect = collect_dtensor_targets if has_dtensor_params(module) else collect_targets
+    try:
+        return collect(module)
+""",
+                new="""\
+    try:
+        return collect_targets(module)
+""",
+                reason=_FSDP1_ONLY,
+            ),
+            EarlierForm(
+                f"{_LOADER}::_load_optimizer_with_fsdp",
+                old="""\
+    if has_dtensor_params(module):
+        _load_optimizer_with_dtensors(module, optimizer, state)
+        return
+""",
+                new="",
+                reason=_FSDP1_ONLY,
+            ),
+            EarlierForm(
+                f"{_LOADER}::_ties",
+                old='''\
+    """Model name -> the names it is tied to, as the model was before wrapping or as a Hugging Face model declares.
+
+    ``setup_module`` records the tensors that the model held twice; a Hugging Face model's ``all_tied_weights_keys``
+    holds the ties that its config asks for.
+
+    """
+    record = init_record(module)
+    ties: dict[str, set[str]] = {name: set(others) for name, others in (record.ties if record else {}).items()}
+''',
+                new='''\
+    """Model name -> the names it is tied to, as a Hugging Face model declares (``all_tied_weights_keys``)."""
+    ties: dict[str, set[str]] = {}
+''',
+                reason="without the ties that `setup_module` records, which the meta-device materialisation adds.",
+            ),
+            EarlierForm(
+                f"{_TESTS}/helpers/state.py::gather_full_state",
+                old="""\
+    if has_dtensor_params(module):
+        return _gather_dtensor_state(module, optimizer)
+""",
+                new="",
+                reason=_FSDP1_ONLY,
+            ),
+        ),
+    ),
+    Step(
+        slug="fsdp-shard-local-optimizer",
+        title="Load the optimizer states of a full checkpoint shard-locally in `FSDPStrategy.load_checkpoint`",
+        carries=(
+            f"{_SRC}/loading/optimizer.py",
+            f"{_TESTS}/test_full_checkpoint_configs.py",
+            f"{_TESTS}/test_load_hostile.py",
+            f"{_TESTS}/test_load_synchronisations.py",
+            *(
+                f"{_TESTS}/loading/test_layouts.py::{name}"
+                for name in (
+                    "_full_optimizer_state",
+                    "test_optimizer_state_is_sliced_like_the_parameter",
+                    "test_optimizer_state_of_whole_parameter_keeps_its_shape",
+                    "test_optimizer_state_of_wrong_shape_is_refused_before_anything_is_written",
+                    "test_optimizer_state_incomplete_or_inconsistent_unit",
+                )
+            ),
+            "CHANGELOG.md::Added shard-local loading of the optimizer states",
+        ),
+        issue="Lightning-AI/pytorch-lightning#8043 (CPU OOM of full checkpoints with optimizer state).",
+        motivation="A full checkpoint with Adam state is three times the model, and FSDP's"
+        " `optim_state_dict_to_load` needs the whole optimizer state on every rank. Each rank now copies only its"
+        " slices of every per-parameter state (`exp_avg`, `momentum_buffer`, ...) into the flat parameter's state,"
+        " the same slices as the parameter's, read by byte ranges from the file; the states are checked (shapes,"
+        " groups, hyperparameters) before anything is written. A state that the slicing does not know falls back to"
+        " FSDP's path, with one warning.",
         effect="From benchmarks/README.md (1.07 GB model, 4 CPU ranks, gloo, cold cache): a full checkpoint with"
         " Adam state (3.22 GB) loads in 2.75 s instead of 14.10 s, peak memory of all ranks +2.15 GB above base"
-        " instead of +10.27 GB, storage read per node 3.22 GB instead of 12.89 GB; a raw zip file loads in 1.07 s"
-        " instead of 4.79 s with +1.8 MB instead of +1.90 GB; safetensors and Hugging Face indexes (not supported"
-        " before) load in 0.87 s and 0.96 s with +1.4 MB.",
-        behaviour="`fabric.load` and `fabric.load_raw` accept raw state dicts, `.safetensors` files and Hugging Face"
-        " indexes. `weights_only=None` means `True` for every file the method reads; `meta.pt` of a sharded"
-        ' checkpoint is read with `map_location="cpu"`. An empty or truncated file raises `CheckpointLoadError`'
-        " (a `ValueError` where upstream raised one). New arguments `load_concurrency` and `load_progress`. A remote"
-        " path is loaded as before.",
-        size="About 3,400 source lines, because `load_checkpoint` is one method and the loader it calls (`load`)"
-        " reaches every part of it: the FSDP1 and FSDP2 layouts, the optimizer's slices and the sharded branch. A"
-        " finer split needs `load` itself cut into versions, which the manifest does not do (it assigns whole"
-        " definitions).",
-        lightning_edits=_EMPTY_FILE_EDITS,
+        " instead of +10.27 GB, storage read per node 3.22 GB instead of 12.89 GB.",
+        behaviour="An optimizer state of the wrong shape is refused before anything is written, on every rank.",
+        earlier_forms=(*_FSDP_SHARDED_TO_UPSTREAM, _PREPARE_WITHOUT_CONVERSIONS),
     ),
     Step(
         slug="fsdp2-shard-local-loading",
-        title="Shard-local loading and meta-device materialisation in `ModelParallelStrategy`",
+        title="Shard-local loading in `ModelParallelStrategy.load_checkpoint` (FSDP2 and tensor parallelism)",
         carries=(
-            f"{_SRC}/model_parallel.py",
+            f"{_SRC}/loading/fsdp2_layout.py",
+            f"{_MODEL_PARALLEL}",
+            f"{_LOADER}::_module_targets",
+            f"{_LOADER}::_load_optimizer_with_fsdp",
+            f"{_LOADER}::_load_optimizer_with_dtensors",
+            f"{_TESTS}/helpers/state.py::gather_full_state",
+            f"{_TESTS}/helpers/state.py::_gather_dtensor_state",
             f"{_TESTS}/test_fsdp2.py",
-            f"{_TESTS}/test_fsdp2_meta_init.py",
-            # Test files that also run `ModelParallelStrategy`'s loading come with it.
             f"{_TESTS}/test_load_against_upstream.py",
-            f"{_TESTS}/test_load_sharded_hostile.py",
-            f"{_TESTS}/test_moe.py",
-            f"{_TESTS}/test_peft.py",
-            f"{_TESTS}/test_single_gpu.py",
-            f"{_TESTS}/test_two_nodes.py",
-            f"{_TESTS}/scripts/two_nodes_worker.py",
-            f"{_TESTS}/test_devices.py::test_model_parallel_setup_module_checks_placement_around_parallelize_fn",
-            f"{_DOCS}/guide/fsdp2.rst",
-            f"{_DOCS}/examples/fsdp2_load.py",
+            *(
+                f"{_TESTS}/loading/test_layouts.py::{name}"
+                for name in (
+                    "_placements",
+                    "_fake_rank",
+                    "_torch_local",
+                    "_from_runs",
+                    "test_dtensor_indices_and_runs_match_distribute_tensor",
+                    "_chunk_or_empty",
+                    "test_strided_indices_are_what_fully_shard_holds_or_refused",
+                    "test_strided_layout_that_torch_reads_two_ways_is_refused",
+                    "test_dtensor_indices_runs_of_a_strided_weight",
+                    "test_dtensor_indices_refuse_unknown_placements",
+                    "_fully_shard_like_parameter",
+                    "test_collect_dtensor_targets_copies_strided_rows_or_refuses_on_every_rank",
+                )
+            ),
             "CHANGELOG.md::Added shard-local loading of full and raw checkpoints to `ModelParallelStrategy",
-            "CHANGELOG.md::Fixed `ModelParallelStrategy` leaving tensors",
         ),
-        issue="FSDP2 counterpart of the previous step; no upstream issue yet (to be opened with this PR).",
+        issue="FSDP2 counterpart of the FSDP1 steps; no upstream issue yet (to be opened with this PR).",
         motivation="`ModelParallelStrategy` loads a full checkpoint with `torch.load` on every rank and one"
         " `set_model_state_dict(broadcast_from_rank0=True)` per parameter. It now goes through the same loader as"
         " `FSDPStrategy`: each rank copies its own ranges of every `DTensor` (FSDP2, HSDP, TP, FSDP x TP) with no"
-        " broadcast. A model created on the meta device is materialised as local shards and initialised by its"
-        " own initialisation (RMSNorm weights, RoPE's `inv_freq` were left uninitialised).",
+        " broadcast, and the optimizer states are built on each rank from their local parts. Placements that the"
+        " layout does not know fall back to upstream's path with one warning.",
         effect="From benchmarks/README.md (FSDP2 rows): a full checkpoint with Adam state loads in 2.29 s instead of"
         " 9.56 s, +2.15 GB above base instead of +5.71 GB; a raw zip file in 0.72 s instead of 3.30 s, +1.5 MB"
         " instead of +1.21 GB.",
+        behaviour="`ModelParallelStrategy` accepts `load_concurrency` and `load_progress`, and reads the formats of"
+        " `FSDPStrategy`.",
+        lightning_edits=_MODEL_PARALLEL_EDITS[:1],
+        earlier_forms=(
+            *_MODEL_PARALLEL_REMOTE_FORMS,
+            EarlierForm(
+                f"{_MODEL_PARALLEL}::ModelParallelStrategy.load_checkpoint",
+                old="""\
+        parameter and optimizer state into its local ``DTensor`` shards, reading only those bytes. A sharded directory
+        is read by the same validated reader as with :class:`lightning_fsdp.FSDPStrategy` (its metadata through an
+        allow-list, every entry checked against the model first), each rank reading its own shards; ``load_raw``
+        reads its model entry. See""",
+                new="""\
+        parameter and optimizer state into its local ``DTensor`` shards, reading only those bytes. A sharded directory
+        is read as before, by the distributed checkpoint reader. See""",
+                reason=f"a sharded checkpoint goes to upstream's method: {_SHARDED_UPSTREAM}",
+            ),
+            EarlierForm(
+                f"{_MODEL_PARALLEL}::ModelParallelStrategy.load_checkpoint",
+                old="""\
+        path, namespace = broadcast_load_path(self, path)
+""",
+                new=_SHARDED_TO_UPSTREAM,
+                reason=f"a sharded checkpoint goes to upstream's method: {_SHARDED_UPSTREAM}",
+            ),
+            EarlierForm(
+                f"{_MODEL_PARALLEL}::ModelParallelStrategy.setup_module",
+                old="""\
+        record = InitRecord()
+        with _materializing_after_parallelize(self, record):
+            module = super().setup_module(module)
+        attach_init_record(module, record)
+""",
+                new="""\
+        module = super().setup_module(module)
+""",
+                reason="without the meta-device materialisation: upstream's `to_empty` and `reset_parameters()`.",
+            ),
+            EarlierForm(
+                f"{_MODEL_PARALLEL}::ModelParallelStrategy.setup_module",
+                old='''\
+        """Applies ``parallelize_fn`` to the model, and materialises a model created on the meta device.
+
+        Upstream's method, except for a model created on the meta device (``fabric.init_module(empty_init=True)``)
+        that ``parallelize_fn`` left there: instead of upstream's ``to_empty()`` and ``reset_parameters()``, each
+        ``DTensor`` parameter is allocated as its local shard on the rank's device, tensors that two modules share
+        stay one tensor, and each module is initialised by the model's own initialisation (``_init_weights`` of a
+        Hugging Face model, which also computes buffers such as RoPE's ``inv_freq``) and by ``reset_parameters()``
+        where that leaves a tensor unwritten; a module without either is allowed. Tensors that ``parallelize_fn``
+        materialised keep their values. Floating-point tensors that nothing wrote are filled with NaN, and a load
+        that leaves any of them unwritten warns, naming them.
+
+        Before ``parallelize_fn`` and after the module is set up, no parameter or buffer may live on a CUDA device other
+        than the rank's own; a ``DTensor`` is checked by its local shard. CPU and meta tensors are allowed.
+
+        """
+''',
+                new='''\
+        """Applies ``parallelize_fn`` to the model, as upstream's method does.
+
+        After the module is set up, no parameter or buffer may live on a CUDA device other than the rank's own; a
+        ``DTensor`` is checked by its local shard. CPU and meta tensors are allowed.
+
+        """
+''',
+                reason="without the meta-device materialisation: upstream's `to_empty` and `reset_parameters()`.",
+            ),
+        ),
+    ),
+    Step(
+        slug="validated-sharded-reader",
+        title="Read sharded checkpoints through a validated reader: metadata weights-only, checked before reading",
+        carries=(
+            f"{_SRC}/loading/sharded.py",
+            f"{_LOADER}::_load_sharded",
+            f"{_STRATEGY}::FSDPStrategy.load_checkpoint",
+            f"{_MODEL_PARALLEL}::ModelParallelStrategy.load_checkpoint",
+            f"{_TESTS}/helpers/hostile_dcp.py",
+            f"{_TESTS}/loading/test_sharded.py",
+            f"{_TESTS}/test_load_sharded_hostile.py",
+            f"{_TESTS}/test_fsdp_roundtrip.py",
+            f"{_TESTS}/test_quiet.py",
+            f"{_TESTS}/test_fsdp2.py::test_sharded_checkpoint_with_adam_loads_bit_exact_and_resumes",
+            f"{_TESTS}/test_fsdp2.py::test_2d_meshes_full_and_sharded_checkpoints_load_bit_exact_and_resume",
+            f"{_TESTS}/test_names.py::_prefixes",
+            f"{_TESTS}/test_names.py::test_names_that_differ",
+            f"{_TESTS}/loading/test_bounded_parsing.py::"
+            "test_a_global_name_with_terminal_escapes_in_sharded_metadata_is_quoted_escaped",
+            "CHANGELOG.md::Fixed `FSDPStrategy.load_checkpoint` and `ModelParallelStrategy.load_checkpoint` running",
+        ),
+        issue="Lightning-AI/pytorch-lightning#18008; no upstream issue for the unpickling yet (to be opened with this"
+        " PR).",
+        motivation="A sharded checkpoint is read by torch's distributed checkpoint reader, which unpickles `.metadata`"
+        " with plain `pickle` and the non-tensor entries with `weights_only=False`, whatever `weights_only` says;"
+        " a FIFO or a truncated shard hangs or half-loads the model. The reader now unpickles `.metadata` through an"
+        " allow-list of torch's metadata types and the other entries weights-only, checks that every file is a"
+        " regular file holding every byte the metadata places in it, compares the checkpoint's entries with the"
+        " model's sharded state dict and the optimizers' before anything is read, and reads everything before"
+        " anything is written; a failure inside the reader is one short `CheckpointLoadError`. Both strategies use"
+        " it, each rank reading its own shards; `load_raw` reads a sharded checkpoint's model entry.",
+        effect="No cost measured beyond the reader's own: the checks read the metadata once and stat the files.",
+        behaviour="With `weights_only=True` (the default) a sharded checkpoint whose metadata or entries hold other"
+        " objects is refused before any of its code runs; `meta.pt` is read with `weights_only=True` and"
+        ' `map_location="cpu"`. `fabric.load_raw` reads a sharded checkpoint. A remote sharded directory is loaded as before until the last'
+        " step of this series.",
+        size="818 source lines added, 774 of them `sharded.py`: the allow-list unpickler, the checks of the metadata"
+        " against the files and against the model (FSDP1 and FSDP2 state dicts), and the reader of both strategies'"
+        " optimizer states; 188 removed: upstream's `load_checkpoint` of both strategies, which the steps before kept"
+        " for sharded checkpoints.",
+        earlier_forms=(_LOAD_WITHOUT_UNINITIALIZED,),
+    ),
+    Step(
+        slug="meta-device-materialisation",
+        title="Materialise meta-device models with their own initialisation in both strategies",
+        carries=(
+            f"{_SRC}/loading/materialize.py",
+            f"{_LOADER}::load",
+            f"{_LOADER}::_ties",
+            f"{_LOADER}::_warn_uninitialized",
+            f"{_LOADER}::_non_persistent_buffer_names",
+            f"{_STRATEGY}::FSDPStrategy.setup_module",
+            f"{_STRATEGY}::_fsdp_kwargs_added",
+            f"{_MODEL_PARALLEL}::ModelParallelStrategy.setup_module",
+            f"{_MODEL_PARALLEL}::_materializing_after_parallelize",
+            f"{_TESTS}/test_devices.py::test_model_parallel_setup_module_checks_placement_around_parallelize_fn",
+            f"{_TESTS}/test_fsdp2_meta_init.py",
+            f"{_TESTS}/test_transformers.py",
+            f"{_TESTS}/test_two_nodes.py",
+            f"{_TESTS}/scripts/two_nodes_worker.py",
+            f"{_TESTS}/test_single_gpu.py",
+            "CHANGELOG.md::Fixed `ModelParallelStrategy` leaving tensors",
+            "CHANGELOG.md::Fixed `FSDPStrategy` failing to set up a model",
+        ),
+        issue="No upstream issue yet (to be opened with this PR): RMSNorm weights and RoPE's `inv_freq` stay"
+        " uninitialised after `fabric.init_module(empty_init=True)`.",
+        motivation="With `empty_init=True`, FSDP1 materialises each unit with `to_empty()` and `reset_parameters()`,"
+        " and `ModelParallelStrategy` the whole model after `parallelize_fn`: a module without `reset_parameters()`"
+        " (an RMSNorm, a rotary embedding's `inv_freq`) keeps uninitialised memory, and a Hugging Face model's own"
+        " `_init_weights` never runs. Each unit (FSDP1) or `DTensor` shard (FSDP2) is now allocated on the rank's"
+        " device and initialised by the model's own initialisation, and by `reset_parameters()` where that leaves a"
+        " tensor unwritten; tensors that two modules share stay one tensor; floating-point tensors that nothing"
+        " wrote are NaN, and a load that leaves any of them unwritten warns, naming them.",
+        effect="No measured cost: the same allocation as FSDP's, once per unit.",
         behaviour="`setup_module` initialises a meta model with its own initialisation; tensors that nothing wrote"
-        " are NaN and the load that leaves them unwritten warns, naming them.",
-        lightning_edits=_MODEL_PARALLEL_EDITS,
+        " are NaN and the load that leaves them unwritten warns, naming them. The warning about modules without"
+        " `reset_parameters()` moves from `setup_module` to that load.",
+        size="467 source lines, 320 of them `materialize.py`: each unit's (FSDP1) or local shard's (FSDP2) tensors"
+        " allocated on the rank's device, what the model's own initialisation writes recorded, shared tensors kept"
+        " shared; the rest in both strategies' `setup_module` and the loader's warning.",
+        lightning_edits=_MODEL_PARALLEL_EDITS[1:],
+    ),
+    Step(
+        slug="declared-conversions",
+        title="Load checkpoints into models that declare weight conversions (fused Mixture-of-Experts weights)",
+        carries=(
+            f"{_SRC}/loading/conversions.py",
+            f"{_LOADER}::_prepare",
+            f"{_LOADER}::_Prepared",
+            f"{_TESTS}/test_moe.py",
+            f"{_TESTS}/test_peft.py",
+            "CHANGELOG.md::Added support for loading checkpoints into `transformers` models that declare",
+        ),
+        issue="No upstream issue yet (to be opened with this PR): a transformers 5 Mixture-of-Experts checkpoint loads"
+        " only with `strict=False`, which leaves the router and every expert at their initial values.",
+        motivation="A transformers 5 Mixture-of-Experts model holds its experts fused (`mlp.experts.gate_up_proj`)"
+        " while the Hub holds one tensor per expert; `from_pretrained` converts them with the conversions the model"
+        " declares. The loader reads the same declarations, evaluates them on shapes only, and reads each target as"
+        " pieces of the checkpoint's tensors: a rank reads only the parts of the experts that fall in its slice. A"
+        " conversion that cannot be read shard-locally is refused, naming it.",
+        effect="Mixtral and Qwen2-MoE load bit-exact against `from_pretrained`, FSDP1 and FSDP2, each rank reading"
+        " only its pieces.",
+        behaviour="Models that declare conversions load checkpoints in the Hub's layout.",
+    ),
+    Step(
+        slug="convert-checkpoint",
+        title="Add `convert_checkpoint`: any readable checkpoint rewritten as a sharded checkpoint",
+        carries=(
+            f"{_SRC}/loading/convert.py",
+            f"{_TESTS}/helpers/fuzz.py",
+            f"{_TESTS}/loading/test_fuzz.py",
+            f"{_TESTS}/test_load_strict.py",
+            *(
+                f"{_TESTS}/loading/test_hostile_files.py::{name}"
+                for name in (
+                    "_assert_refused_everywhere",
+                    "test_zip_record_shorter_than_its_storage_is_refused",
+                    "test_index_names_stay_inside_the_checkpoint",
+                    "test_zip_length_field_changed_is_refused",
+                    "test_repacked_zip_files_load_exactly_and_convert_exactly",
+                    "_open_converted",
+                    "test_convert_checks_each_zip_records_crc",
+                    "test_invalid_safetensors_header_is_refused_everywhere",
+                )
+            ),
+            f"{_TESTS}/loading/test_bounded_parsing.py::_shared_levels",
+            f"{_TESTS}/loading/test_bounded_parsing.py::test_every_walk_over_shared_references_is_linear",
+        ),
+        issue="Lightning-AI/pytorch-lightning#8043: a checkpoint that must be read whole every time (a trusted"
+        " pickle) is converted once into a format that every later load reads by byte ranges.",
+        motivation="`convert_checkpoint` writes the module state of any checkpoint the loader reads as a sharded"
+        " checkpoint (each tensor streamed, a few MiB at a time, through the same validated readers, every zip"
+        " record checked against its CRC), and `describe_checkpoint` says what a checkpoint holds without loading"
+        " it. A `fabric` CLI command would call them, next to `fabric consolidate`; that command is left to a"
+        " maintainer.",
+        effect="None on loading. A fuzzing harness mutates the structure of every format and checks that `fabric.load`"
+        " and `convert` load exactly or raise `CheckpointLoadError`.",
+    ),
+    Step(
+        slug="loading-guide",
+        title="Document loading large checkpoints: the guide, FSDP2, host memory and multi-node pages",
+        carries=(
+            f"{_DOCS}/guide/*",
+            f"{_DOCS}/examples/*",
+        ),
+        issue="The documentation of the previous steps.",
+        motivation="The guide explains what the previous steps changed, with examples that the test suite runs:"
+        " loading raw, safetensors and Hugging Face checkpoints, names that differ, Mixture-of-Experts models,"
+        " meta-device initialisation, FSDP2, host memory and turns, and launching on several nodes.",
+        effect="None.",
+        earlier_forms=(_GUIDE_REMOTE_FORM,),
     ),
     Step(
         slug="remote-byte-ranges",
@@ -706,7 +1436,6 @@ STEPS: tuple[Step, ...] = (
         " holds anything but plain data raises `CheckpointLoadError`."
         " `load_options` takes `storage_options`.",
         lightning_edits=_REMOTE_EDITS,
-        interims=_REMOTE_INTERIMS,
     ),
 )
 
@@ -717,14 +1446,22 @@ class _Assignment:
 
     files: dict[str, int] = field(default_factory=dict)
     definitions: dict[tuple[str, str], int] = field(default_factory=dict)
-    interims: list[tuple[int, Interim]] = field(default_factory=list)
-    """Each interim with the step that lists it."""
+    forms: dict[tuple[str, str], list[tuple[int, int, EarlierForm]]] = field(default_factory=dict)
+    """The earlier forms of each definition (``(path, "")``: of lines anywhere in the file), each with the step that
+    gives it and the step that completes it."""
     problems: list[str] = field(default_factory=list)
 
     def step_of(self, path: str, key: str | None = None) -> int:
         if key is not None and (path, key) in self.definitions:
             return self.definitions[(path, key)]
         return self.files[path]
+
+    def form_at(self, path: str, key: str, upto: int) -> list[EarlierForm]:
+        """The forms that step ``upto`` holds of a definition (``""``: of the file), the latest-completed first."""
+        held = [(given, end, form) for given, end, form in self.forms.get((path, key), []) if given <= upto < end]
+        latest = {end: max(given for given, other, _ in held if other == end) for _, end, _ in held}
+        ordered = sorted(((end, form) for given, end, form in held if given == latest[end]), key=lambda pair: -pair[0])
+        return [form for _, form in ordered]
 
 
 def definition_keys(path: str, text: str) -> Iterator[tuple[str, ast.stmt, ast.ClassDef | None]]:
@@ -832,18 +1569,30 @@ def assign(items: list[tuple[str, str]], steps: tuple[Step, ...] = STEPS) -> _As
     named = {entry for step in steps for entry in step.carries}
     for entry in sorted(named - used):
         result.problems.append(f"the manifest names `{entry}`, which the change does not carry")
-    texts = dict(items)
+    keys = {(path, key) for path, text in items if path.endswith(".py") for key, _, _ in definition_keys(path, text)}
     for number, step in enumerate(steps, 1):
-        for interim in step.interims:
-            found = texts.get(interim.file, "").count(interim.final)
-            if found != 1:
+        for form in step.earlier_forms:
+            end = _step_of_entry(result, form.completed_by, keys)
+            if end is None or (form.path, form.name) not in keys | {(path, path) for path in result.files}:
+                absent = form.where if end is not None else form.completed_by
+                result.problems.append(f"step {number}: an earlier form names `{absent}`, which the change does not carry")
+            elif number >= end:
                 result.problems.append(
-                    f"step {number}: the lines of {interim.file} that read otherwise before it were found {found} times"
-                    " there (the file changed): update its `Interim`"
+                    f"step {number} gives an earlier form of `{form.where}`, which step {end} completes: only a step"
+                    " before it can"
                 )
             else:
-                result.interims.append((number, interim))
+                key = "" if form.where == form.path else form.name
+                result.forms.setdefault((form.path, key), []).append((number, end, form))
     return result
+
+
+def _step_of_entry(assignment: _Assignment, entry: str, keys: set[tuple[str, str]]) -> int | None:
+    """The step that carries a manifest entry (a file or a definition), or ``None`` when the change has none."""
+    path, _, key = entry.partition("::")
+    if path not in assignment.files or (key and (path, key) not in keys):
+        return None
+    return assignment.step_of(path, key or None)
 
 
 def restriction(assignment: _Assignment, upto: int) -> Restriction:
@@ -856,17 +1605,28 @@ def restriction(assignment: _Assignment, upto: int) -> Restriction:
         if path == "CHANGELOG.md":
             return text if assignment.definitions.get((path, text), upto + 1) <= upto else None
         file_step = assignment.files[path]
-        text = _before(path, text, [interim for number, interim in assignment.interims if number > upto])
+        file_forms = assignment.form_at(path, "", upto)
+        if file_forms:
+            edited = _earlier_form(text, file_forms, f"step {upto}: {path}", problems)
+            text = drop_unused_imports(text, edited, path) if path.endswith(".py") and edited != text else edited
         if not path.endswith(".py"):
             return text if file_step <= upto else None
         keys = list(definition_keys(path, text))
+        source = Source(text, path)
+        formed = {}
+        for key, node, _ in keys:
+            forms = assignment.form_at(path, key, upto)
+            if forms:
+                where = f"step {upto}: {path}::{key}"
+                formed[id(node)] = _earlier_form(source.block_text(node), forms, where, problems)
         later = [(key, node, cls) for key, node, cls in keys if assignment.step_of(path, key) > upto]
-        kept_any = any(assignment.step_of(path, key) <= upto for key, _, _ in keys)
+        kept_any = bool(formed) or any(assignment.step_of(path, key) <= upto for key, _, _ in keys)
         if file_step > upto and not kept_any:
             return None
-        if not later:
+        changed = [(key, node, cls) for key, node, cls in keys if id(node) in formed or (key, node, cls) in later]
+        if not changed:
             return text
-        restricted, removed_names = _remove(Source(text, path), later, keys)
+        restricted, removed_names = _remove(source, changed, keys, formed)
         used = _used_names(restricted)
         attributes = {
             node.attr
@@ -875,8 +1635,8 @@ def restriction(assignment: _Assignment, upto: int) -> Restriction:
         }
         for key in sorted(removed_names & used):
             problems.append(f"step {upto}: {path} uses `{key}`, which step {assignment.step_of(path, key)} brings")
-        for key, _, cls in later:
-            if cls is not None and key.split(".", 1)[1] in attributes:
+        for key, node, cls in later:
+            if cls is not None and id(node) not in formed and key.split(".", 1)[1] in attributes:
                 problems.append(f"step {upto}: {path} uses `self.{key.split('.', 1)[1]}`, which a later step brings")
         return restricted
 
@@ -884,24 +1644,35 @@ def restriction(assignment: _Assignment, upto: int) -> Restriction:
     return restrict
 
 
-def _before(path: str, text: str, interims: list[Interim]) -> str:
-    """``text`` as it reads before the steps of ``interims``, without the imports that only their final lines used."""
-    edited = text
-    for interim in interims:
-        if interim.file == path:
-            edited = edited.replace(interim.final, interim.interim, 1)
-    if edited == text or not path.endswith(".py"):
-        return edited
-    return drop_unused_imports(text, edited, path)
+def _earlier_form(block: str, forms: list[EarlierForm], where: str, problems: list[str]) -> str:
+    """``block`` (our definition, or our file) with ``forms`` applied in turn; each ``old`` must be found exactly once.
+
+    ``where`` names the definition or the file in the problems it records (``step k: path::Name``).
+
+    """
+    for form in forms:
+        found = block.count(form.old)
+        if found != 1:
+            problems.append(
+                f"{where}: the lines of its earlier form were found {found} times in ours (ours changed): update the"
+                " form in `lightning_fsdp/upstream/_series.py`"
+            )
+            continue
+        block = block.replace(form.old, form.new, 1)
+    return block
 
 
-def _remove(source: Source, later: list, keys: list) -> tuple[str, set[str]]:
-    """Remove the later steps' definitions and the imports that only they used."""
+def _remove(source: Source, later: list, keys: list, formed: dict[int, str] | None = None) -> tuple[str, set[str]]:
+    """Remove the later steps' definitions and the imports that only they used; ``formed`` (a node's id: its earlier
+    form) replaces definitions instead, whichever step carries them."""
+    formed = formed or {}
     edits = []
     removed_names: set[str] = set()
     removed_members: dict[int, int] = {}
     classes: dict[int, ast.ClassDef] = {}
-    for key, _node, cls in later:
+    for key, node, cls in later:
+        if id(node) in formed:
+            continue
         if cls is not None:
             removed_members[id(cls)] = removed_members.get(id(cls), 0) + 1
             classes[id(cls)] = cls
@@ -909,6 +1680,9 @@ def _remove(source: Source, later: list, keys: list) -> tuple[str, set[str]]:
             removed_names.add(key)
     members_of = {id(cls): sum(1 for _, _, owner in keys if owner is cls) for cls in classes.values()}
     for _key, node, cls in later:
+        if id(node) in formed:
+            edits.append(Edit(*source.block(node), formed[id(node)]))
+            continue
         if cls is not None and removed_members[id(cls)] == members_of[id(cls)]:
             continue  # the whole class goes below
         edits.append(Edit(*source.block(node), ""))
@@ -966,6 +1740,7 @@ class Series:
     root: Path
     steps: tuple[Step, ...]
     plans: list[Plan]
+    assignment: _Assignment | None = None
 
     def step_changes(self, number: int) -> list[tuple[str, str | None, str]]:
         """(path, text before the step, text after it) of each file that step ``number`` (1-based) changes."""
@@ -1010,6 +1785,7 @@ class Series:
             *(f"- `{path}` (+{a}/-{r})" for path, a, r in self._file_counts(number)),
             "",
             "Lines changed: " + ", ".join(f"{kind} +{a}/-{r}" for kind, (a, r) in counts.items()) + ".",
+            *self._forms(number),
             "",
             "## Measured effect",
             "",
@@ -1037,6 +1813,28 @@ class Series:
             raise UpstreamError(f"the description of step {number} names the package")
         return text
 
+    def _forms(self, number: int) -> list[str]:
+        """The lines that say which definitions this step brings in an earlier form, changes, or completes."""
+        if self.assignment is None:
+            return []
+        total = len(self.steps)
+        lines = []
+        for (path, key), forms in sorted(self.assignment.forms.items()):
+            name = key or path
+            for end in sorted({end for _, end, _ in forms}):
+                ending = [(given_by, form) for given_by, other, form in forms if other == end]
+                here = [form for given_by, form in ending if given_by == number]
+                earlier = [given_by for given_by, _ in ending if given_by < number]
+                previous = [form for given_by, form in ending if earlier and given_by == max(earlier)]
+                until = f"completed in ({end}/{total})"
+                if here and not previous:
+                    lines.append(f"- `{name}` comes in an earlier form, {until}: {_reasons(here)}")
+                elif here and here != previous:
+                    lines.append(f"- `{name}` keeps an earlier form, {until}: {_reasons(here)}")
+                elif number == end:
+                    lines.append(f"- `{name}` replaces its earlier form of ({max(earlier)}/{total}).")
+        return ["", *lines] if lines else []
+
     def _file_counts(self, number: int) -> list[tuple[str, int, int]]:
         return [(path, *_diff_counts(old or "", new)) for path, old, new in sorted(self.step_changes(number))]
 
@@ -1059,6 +1857,10 @@ class Series:
                 descriptions.mkdir(parents=True, exist_ok=True)
                 (descriptions / f"{number:02d}-{step.slug}.md").write_text(description)
         return hashes
+
+
+def _reasons(forms: list[EarlierForm]) -> str:
+    return "; ".join(dict.fromkeys(form.reason.rstrip(".") for form in forms)) + "."
 
 
 def check_clean_checkout(tree: Path) -> None:
@@ -1118,7 +1920,7 @@ def series(tree: Path, steps: tuple[Step, ...] = STEPS) -> Series:
         ]
     if problems:
         raise UpstreamError("the series is not consistent:\n" + _listed(problems))
-    return Series(root, steps, plans)
+    return Series(root, steps, plans, assignment)
 
 
 def _edited_tests(root: Path, edits: list[LightningEdit], notes: list[str]) -> list[Change]:

@@ -10,6 +10,16 @@ from safetensors.torch import save_file
 FORMATS = ("torch-zip", "torch-legacy", "safetensors", "hf-index-safetensors", "hf-index-bin", "hf-directory")
 
 
+class MarkerPayload:
+    """Unpickling this creates the file ``marker``: proof that code from the checkpoint ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple:
+        return open, (self.marker, "w")
+
+
 def write_checkpoint(state_dict: dict[str, torch.Tensor], directory: Path, fmt: str) -> Path:
     """Write ``state_dict`` in format ``fmt`` under ``directory``; return the path a user would pass to load it."""
     directory.mkdir(parents=True, exist_ok=True)

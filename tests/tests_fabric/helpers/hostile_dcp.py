@@ -22,16 +22,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 
-class MarkerPayload:
-    """Unpickling this creates the file ``marker``: proof that code from the checkpoint ran."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self) -> tuple:
-        return open, (self.marker, "w")
-
-
 def read_metadata(path: Path) -> Metadata:
     with open(path / ".metadata", "rb") as file:
         return pickle.load(file)

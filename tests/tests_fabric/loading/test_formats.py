@@ -1,7 +1,6 @@
 """Format detection and reading, in one process: every format, and every kind of bad input."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,13 @@ from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint, 
 from lightning_fsdp.loading.shard_local import ModuleTargets, Run, Target, copy_into_module
 from lightning_fsdp.loading.sources import ByteRangeSource, DictSource
 from lightning_fsdp.loading.validation import plan_load
-from tests.tests_fabric.helpers.checkpoints import FORMATS, retag_storages, write_bad_inputs, write_checkpoint
+from tests.tests_fabric.helpers.checkpoints import (
+    FORMATS,
+    MarkerPayload,
+    retag_storages,
+    write_bad_inputs,
+    write_checkpoint,
+)
 from tests.tests_fabric.helpers.models import TinyTransformer
 from tests.tests_fabric.helpers.runif import RunIf
 
@@ -120,22 +125,12 @@ def test_cuda_tagged_file_loads_on_cpu(tmp_path):
     assert torch.equal(opened.source.read("weight"), torch.arange(6.0).reshape(2, 3))
 
 
-class _Payload:
-    """Unpickling this creates a marker file: proof that a pickle's code ran."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.makedirs, (self.marker,))
-
-
 @pytest.mark.parametrize("legacy", [False, True])
 def test_malicious_pickle_is_refused_and_never_runs(tmp_path, legacy):
     marker = tmp_path / "payload-ran"
     path = tmp_path / "evil.pth"
     torch.save(
-        {"weight": torch.zeros(2), "payload": _Payload(str(marker))},
+        {"weight": torch.zeros(2), "payload": MarkerPayload(marker)},
         path,
         _use_new_zipfile_serialization=not legacy,
     )

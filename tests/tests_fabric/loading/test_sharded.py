@@ -22,9 +22,9 @@ from lightning_fsdp.loading.sharded import (
     read_sharded_metadata,
     stored_entries,
 )
+from tests.tests_fabric.helpers.checkpoints import MarkerPayload
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.hostile_dcp import (
-    MarkerPayload,
     copy_checkpoint,
     corrupt_entry,
     read_metadata,
