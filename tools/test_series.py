@@ -43,8 +43,9 @@ LIGHTNING_TESTS = (
     "tests_fabric/utilities/test_load.py",
 )
 CARRIED = "tests/tests_fabric/utilities/checkpoint_loading/"
-#: The carried files that CI runs on the patched release (tools/test_patched_upstream.sh), and the agreement's tests so
-#: that every step that brings code runs some of ours; ``--all`` runs every one.
+#: The carried files that CI runs on the patched release (tools/test_patched_upstream.sh), and fast ones of the steps
+#: that bring code without them, so that every such step runs some of ours (the first has none to run); ``--all`` runs
+#: every one.
 CI_FILES = (
     "test_load_raw.py",
     "test_fsdp_roundtrip.py",
@@ -52,8 +53,15 @@ CI_FILES = (
     "test_load_errors.py",
     "test_strategy.py",
     "test_fsdp2.py",
+    "test_moe.py",
+    "loading/test_sources.py",
+    "loading/test_torch_files.py",
+    "loading/test_safetensors_header.py",
+    "loading/test_bounded_parsing.py",
     "loading/test_formats.py",
+    "loading/test_layouts.py",
     "loading/test_agreement.py",
+    "loading/test_progress.py",
     "loading/test_remote.py",
 )
 

@@ -744,7 +744,8 @@ STEPS: tuple[Step, ...] = (
         " walk exponential) and refuse absurd nesting.",
         effect="None yet (unused until the loader). Its tests read located tensors (views, strided, cast) from a file"
         " written byte by byte, and refuse locations outside their storage or file.",
-        size="SIZE4",
+        size="790 source lines: `sources.py` 462, `files.py` 221 (the regular-file checks and the `StoragePath` seam"
+        " that the remote reader of the last step implements), `errors.py` 102.",
     ),
     Step(
         slug="torch-file-structure",
