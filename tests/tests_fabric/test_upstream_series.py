@@ -143,9 +143,17 @@ def test_remote_paths_keep_masters_branch_until_the_remote_step(items):
     assert "_load_storage_options" not in loading_calls
     assert "from collections.abc import Iterator\n" in loading_calls  # `Mapping` only served the remote options
     assert before.problems == []
-    guide = f"docs/source-fabric/guide/loading_large_checkpoints.rst"
+    guide = "docs/source-fabric/guide/loading_large_checkpoints.rst"
     assert ":doc:`object_storage`" in texts[guide]
     assert ":doc:`object_storage`" not in before(guide, texts[guide])
+    # Where the loader comes, the strategy holds two earlier forms of `load_checkpoint` that end at different steps:
+    # the remote one (until the remote step) applies first, then the one that hands sharded checkpoints to upstream.
+    loader_step = _step_carrying(_LOADING_CALLS)
+    early = restriction(assignment, loader_step)
+    strategy = early(_STRATEGY, texts[_STRATEGY])
+    assert strategy.index(dispatch) < strategy.index("_upstream._is_sharded_checkpoint(str(path))")
+    assert "A sharded directory is read as before" in strategy
+    assert early.problems == []
     at_remote_step = restriction(assignment, _REMOTE_STEP)
     for path in (_STRATEGY, _LOADING_CALLS, "src/lightning_fsdp/model_parallel.py"):
         assert at_remote_step(path, texts[path]) == texts[path]

@@ -520,6 +520,7 @@ _MODEL_PARALLEL_EDITS = (
 )
 
 _SHARDED_UPSTREAM = "it is read as before, by the distributed checkpoint reader, until the step that validates it."
+_SHARDED_DOCSTRING = "        A sharded directory is read as before, by the distributed checkpoint reader.\n"
 #: Until the sharded reader lands, `load_checkpoint` hands a sharded checkpoint to upstream's own method.
 _SHARDED_TO_UPSTREAM = """\
         path, namespace = broadcast_load_path(self, path)
@@ -581,7 +582,7 @@ _FSDP_SHARDED_TO_UPSTREAM = (
     EarlierForm(
         f"{_STRATEGY}::FSDPStrategy.load_checkpoint",
         old=_REMOTE_DOCSTRING,
-        new="        A sharded directory is read as before, by the distributed checkpoint reader.\n" + _REMOTE_DOCSTRING,
+        new=_SHARDED_DOCSTRING + _REMOTE_DOCSTRING,
         reason=f"a sharded checkpoint goes to upstream's method: {_SHARDED_UPSTREAM}",
     ),
 )
@@ -740,8 +741,9 @@ STEPS: tuple[Step, ...] = (
         " (or straight into the destination): no mapping, so a file that shrinks during a load gives an error"
         " instead of a `SIGBUS`, and it notices a file replaced during the load. Files are opened only if they are"
         " regular files (a FIFO would block every rank); storage other than the local file system can serve the same"
-        " reads behind `StoragePath` (the last step of this series does, for object storage). The walks over unpickled objects visit each object once (shared references would make a naive"
-        " walk exponential) and refuse absurd nesting.",
+        " reads behind `StoragePath` (the last step of this series does, for object storage). The walks over"
+        " unpickled objects visit each object once (shared references would make a naive walk exponential) and"
+        " refuse absurd nesting.",
         effect="None yet (unused until the loader). Its tests read located tensors (views, strided, cast) from a file"
         " written byte by byte, and refuse locations outside their storage or file.",
         size="790 source lines: `sources.py` 462, `files.py` 221 (the regular-file checks and the `StoragePath` seam"
@@ -1279,8 +1281,8 @@ STEPS: tuple[Step, ...] = (
         effect="No cost measured beyond the reader's own: the checks read the metadata once and stat the files.",
         behaviour="With `weights_only=True` (the default) a sharded checkpoint whose metadata or entries hold other"
         " objects is refused before any of its code runs; `meta.pt` is read with `weights_only=True` and"
-        ' `map_location="cpu"`. `fabric.load_raw` reads a sharded checkpoint. A remote sharded directory is loaded as before until the last'
-        " step of this series.",
+        ' `map_location="cpu"`. `fabric.load_raw` reads a sharded checkpoint. A remote sharded directory is'
+        " loaded as before until the last step of this series.",
         size="818 source lines added, 774 of them `sharded.py`: the allow-list unpickler, the checks of the metadata"
         " against the files and against the model (FSDP1 and FSDP2 state dicts), and the reader of both strategies'"
         " optimizer states; 188 removed: upstream's `load_checkpoint` of both strategies, which the steps before kept"
@@ -1576,7 +1578,9 @@ def assign(items: list[tuple[str, str]], steps: tuple[Step, ...] = STEPS) -> _As
             end = _step_of_entry(result, form.completed_by, keys)
             if end is None or (form.path, form.name) not in keys | {(path, path) for path in result.files}:
                 absent = form.where if end is not None else form.completed_by
-                result.problems.append(f"step {number}: an earlier form names `{absent}`, which the change does not carry")
+                result.problems.append(
+                    f"step {number}: an earlier form names `{absent}`, which the change does not carry"
+                )
             elif number >= end:
                 result.problems.append(
                     f"step {number} gives an earlier form of `{form.where}`, which step {end} completes: only a step"
@@ -1664,8 +1668,11 @@ def _earlier_form(block: str, forms: list[EarlierForm], where: str, problems: li
 
 
 def _remove(source: Source, later: list, keys: list, formed: dict[int, str] | None = None) -> tuple[str, set[str]]:
-    """Remove the later steps' definitions and the imports that only they used; ``formed`` (a node's id: its earlier
-    form) replaces definitions instead, whichever step carries them."""
+    """Remove the later steps' definitions and the imports that only they used.
+
+    ``formed`` (a node's id: its earlier form) replaces definitions instead, whichever step carries them.
+
+    """
     formed = formed or {}
     edits = []
     removed_names: set[str] = set()
