@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_fsdp.upstream._apply import Change, Plan, Restriction, find_root, plan
+from lightning_fsdp.upstream._apply import Change, Plan, Restriction, destinations, find_root, plan
 from lightning_fsdp.upstream._merge import _used_names, drop_unused_imports, upstream_base
 from lightning_fsdp.upstream._rewrite import import_from_text
 from lightning_fsdp.upstream._source import (
@@ -1828,7 +1828,7 @@ class Series:
         total = len(self.steps)
         lines = []
         for (path, key), forms in sorted(self.assignment.forms.items()):
-            name = key or path
+            name = key or _upstream_path(path)
             for end in sorted({end for _, end, _ in forms}):
                 ending = [(given_by, form) for given_by, other, form in forms if other == end]
                 here = [form for given_by, form in ending if given_by == number]
@@ -1865,6 +1865,14 @@ class Series:
                 descriptions.mkdir(parents=True, exist_ok=True)
                 (descriptions / f"{number:02d}-{step.slug}.md").write_text(description)
         return hashes
+
+
+def _upstream_path(path: str) -> str:
+    """Where the command writes one of our files (descriptions name upstream's paths, never ours)."""
+    for ours, theirs in destinations().items():
+        if path == ours or (ours.endswith("/") and path.startswith(ours)):
+            return theirs + path[len(ours) :] if ours.endswith("/") else theirs
+    raise UpstreamError(f"{path} has no destination upstream")
 
 
 def _reasons(forms: list[EarlierForm]) -> str:
