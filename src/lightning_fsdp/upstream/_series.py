@@ -448,14 +448,11 @@ Checkpoints in object storage (``s3://`` and other fsspec URLs) are read the sam
     "",
 )
 _CALLS = f"{_SRC}/loading_calls.py"
-_CALLS_REMOTE_FORMS = {
-    "LoadingStrategy": _until_remote(
-        f"{_CALLS}::LoadingStrategy", "    _load_storage_options: Mapping[str, Any] | None\n", ""
-    ),
-    "init_loading_options": _until_remote(
-        f"{_CALLS}::init_loading_options", "    strategy._load_storage_options = None\n", ""
-    ),
-    "broadcast_load_path": _until_remote(
+#: `loading_calls.py` without the storage options, and with a local path for every path.
+_CALLS_REMOTE_FORMS = (
+    _until_remote(f"{_CALLS}::LoadingStrategy", "    _load_storage_options: Mapping[str, Any] | None\n", ""),
+    _until_remote(f"{_CALLS}::init_loading_options", "    strategy._load_storage_options = None\n", ""),
+    _until_remote(
         f"{_CALLS}::broadcast_load_path",
         """        return checkpoint_path(strategy, start), new_namespace()
     return checkpoint_path(strategy, start.path), start.namespace
@@ -464,7 +461,7 @@ _CALLS_REMOTE_FORMS = {
     return Path(start.path), start.namespace
 """,
     ),
-    "load_options": _until_remote(
+    _until_remote(
         f"{_CALLS}::load_options",
         """def load_options(
     strategy: LoadingStrategy, rename: Rename | None, storage_options: Mapping[str, Any] | None = None
@@ -493,7 +490,7 @@ _CALLS_REMOTE_FORMS = {
         strategy._load_rename = previous
 """,
     ),
-}
+)
 _MODEL_PARALLEL_EDITS = (
     LightningEdit(
         "tests_fabric/strategies/test_model_parallel.py",
@@ -1008,8 +1005,8 @@ STEPS: tuple[Step, ...] = (
         " indexes. `weights_only=None` means `True` for every file the method reads. An empty or truncated file"
         " raises `CheckpointLoadError` (a `ValueError` where upstream raised one). New arguments `load_concurrency`"
         " and `load_progress`. A remote path is loaded as before.",
-        size="676 source lines: the loader (357: detect, open, validate, agree, copy, fall back) and what the"
-        " strategy does around it (319 in `strategies/fsdp.py`: the request from `state`, the path broadcast, the"
+        size="653 source lines: the loader (357: detect, open, validate, agree, copy, fall back) and what the"
+        " strategy does around it (296 in `strategies/fsdp.py`: the request from `state`, the path broadcast, the"
         " per-load options, upstream's error types for refused paths, and `load_checkpoint`). The readers, the"
         " validation, the layout, the agreement and the turns came in the steps before; the loader calls each of them"
         " once.",
@@ -1017,7 +1014,7 @@ STEPS: tuple[Step, ...] = (
         earlier_forms=(
             *_FSDP_REMOTE_FORMS,
             *_FSDP_LOAD_OPTIONS_REMOTE_FORMS,
-            *_CALLS_REMOTE_FORMS.values(),
+            *_CALLS_REMOTE_FORMS,
             *_FSDP_SHARDED_TO_UPSTREAM,
             EarlierForm(
                 f"{_STRATEGY}::FSDPStrategy.load_checkpoint",
@@ -1283,10 +1280,10 @@ STEPS: tuple[Step, ...] = (
         " objects is refused before any of its code runs; `meta.pt` is read with `weights_only=True` and"
         ' `map_location="cpu"`. `fabric.load_raw` reads a sharded checkpoint. A remote sharded directory is'
         " loaded as before until the last step of this series.",
-        size="818 source lines added, 774 of them `sharded.py`: the allow-list unpickler, the checks of the metadata"
+        size="883 source lines added, 850 of them `sharded.py`: the allow-list unpickler, the checks of the metadata"
         " against the files and against the model (FSDP1 and FSDP2 state dicts), and the reader of both strategies'"
-        " optimizer states; 188 removed: upstream's `load_checkpoint` of both strategies, which the steps before kept"
-        " for sharded checkpoints.",
+        " optimizer states. Upstream's `load_checkpoint` of both strategies stays, as `_default_load_checkpoint`, for"
+        " remote paths until the last step.",
         earlier_forms=(_LOAD_WITHOUT_UNINITIALIZED,),
     ),
     Step(
@@ -1438,6 +1435,9 @@ STEPS: tuple[Step, ...] = (
         " directory is read by the validated reader instead of DCP's fsspec reader: a `.metadata` or `meta.pt` that"
         " holds anything but plain data raises `CheckpointLoadError`."
         " `load_options` takes `storage_options`.",
+        size="504 source lines added, 456 of them `remote.py` (fsspec's object storage behind `StoragePath`: range"
+        " requests, chunking, retries, the pinned size and ETag); 193 removed: master's `load_checkpoint` of both"
+        " strategies (`_default_load_checkpoint`), which the steps before kept for remote paths.",
         lightning_edits=_REMOTE_EDITS,
     ),
 )

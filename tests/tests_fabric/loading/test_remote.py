@@ -16,7 +16,7 @@ from lightning_fsdp.loading import remote
 from lightning_fsdp.loading.files import fetched_bytes
 from lightning_fsdp.loading.remote import RemoteFile, remote_path
 from lightning_fsdp.loading.sharded import CheckedFileSystemReader, read_checked_metadata, read_dcp_metadata
-from tests.tests_fabric.helpers.hostile_dcp import MarkerPayload
+from tests.tests_fabric.helpers.checkpoints import MarkerPayload
 
 # The sharded checkpoints here are saved and read by one process, without a process group, as DCP allows.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
