@@ -658,12 +658,13 @@ def _carry_docs(root: Path, names: NameMap, result: Plan, restrict: Restriction 
         page: drop_package_only_blocks(page.read_text(), _ours_path(page)) for page in sorted(docs.glob("guide/*.rst"))
     }
     _check_package_only_references(pages)
-    for page, (kept, _) in pages.items():
+    for page in pages:
         destination = f"{GUIDE_DIR}/{page.name}"
         where = f"docs/source-fabric/guide/{page.name}"
-        kept = restrict(where, page.read_text())
-        if kept is None:
+        restricted = restrict(where, page.read_text())
+        if restricted is None:
             continue
+        kept, _ = drop_package_only_blocks(restricted, _ours_path(page))
         rewritten = rewrite_prose(kept, names, where)
         text = _relink_includes(rewritten.text, page, destination, carried_examples, result, where)
         result.notes.extend(rewritten.notes)
