@@ -181,10 +181,14 @@ def test_an_earlier_form_holds_until_the_step_that_carries_the_definition(items)
     assert "_warn_uninitialized(path, request.module, result.written)" in versions[carried]
     # Imports that only the left-out definitions used go with them.
     assert "load_sharded_checkpoint" not in versions[first]
-    # Until the sharded reader, `FSDPStrategy.load_checkpoint` hands a sharded checkpoint to upstream's method.
+    # Until the sharded reader, `FSDPStrategy.load_checkpoint` hands a sharded checkpoint to upstream's method (and a
+    # remote path until the remote step, whose form ends later).
     strategy = dict(items)[_STRATEGY]
-    assert "super().load_checkpoint(" in restriction(assignment, first)(_STRATEGY, strategy)
-    assert "super().load_checkpoint(" not in restriction(assignment, sharded)(_STRATEGY, strategy)
+    to_upstream = "return super().load_checkpoint(str(path), state, strict=strict, weights_only=weights_only)"
+    assert to_upstream in restriction(assignment, first)(_STRATEGY, strategy)
+    at_sharded = restriction(assignment, sharded)(_STRATEGY, strategy)
+    assert to_upstream not in at_sharded
+    assert "return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)" in at_sharded
 
 
 def test_an_earlier_form_that_no_longer_fits_ours_is_refused(items):
