@@ -12,6 +12,7 @@
 #   test_strategy.py          the new constructor arguments, CPU wrapping (package-only tests left out)
 #   test_fsdp2.py             ModelParallelStrategy (FSDP2) merged the same way: every format into DTensor shards
 #   loading/test_formats.py   the loading package on its own (formats, byte ranges), no processes
+#   loading/test_remote.py    the remote reader on fsspec's memory file system, no processes
 # Usage: tools/test_patched_upstream.sh [PYTHON]   (default: .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,5 +51,5 @@ cd "$TREE/tests"
 TESTS=tests_fabric/utilities/checkpoint_loading
 "$PY" -m pytest -p no:cacheprovider -q --color=no -o addopts="--strict-markers" \
     "$TESTS/test_load_raw.py" "$TESTS/test_fsdp_roundtrip.py" "$TESTS/test_devices.py" "$TESTS/test_load_errors.py" \
-    "$TESTS/test_strategy.py" "$TESTS/test_fsdp2.py" "$TESTS/loading/test_formats.py"
+    "$TESTS/test_strategy.py" "$TESTS/test_fsdp2.py" "$TESTS/loading/test_formats.py" "$TESTS/loading/test_remote.py"
 echo "patched-upstream check took $(($(date +%s) - started)) s"

@@ -43,7 +43,8 @@ LIGHTNING_TESTS = (
     "tests_fabric/utilities/test_load.py",
 )
 CARRIED = "tests/tests_fabric/utilities/checkpoint_loading/"
-#: The carried files that CI runs on the patched release (tools/test_patched_upstream.sh); ``--all`` runs every one.
+#: The carried files that CI runs on the patched release (tools/test_patched_upstream.sh), and the agreement's tests so
+#: that every step that brings code runs some of ours; ``--all`` runs every one.
 CI_FILES = (
     "test_load_raw.py",
     "test_fsdp_roundtrip.py",
@@ -52,6 +53,8 @@ CI_FILES = (
     "test_strategy.py",
     "test_fsdp2.py",
     "loading/test_formats.py",
+    "loading/test_agreement.py",
+    "loading/test_remote.py",
 )
 
 

@@ -321,7 +321,7 @@ def _remote_rows(
         "Loads from the S3 server (moto on 127.0.0.1, in a process of its own) against lightning-fsdp's load of the"
         " same local file, the row `lightning-fsdp` above (`local`). Fetched per node: the bodies of the `GET`"
         " responses that the server sent the node's ranks (counted by the server, per node by the User-Agent), and"
-        " that over the file's size; the client's count is lightning-fsdp's own (`remote.fetched_bytes()`). Server"
+        " that over the file's size; the client's count is lightning-fsdp's own (`files.fetched_bytes()`). Server"
         " peak RSS and CPU: the server process's own peak and CPU time during the run (not part of the ranks'), on the"
         " same cores as the ranks.",
         "",

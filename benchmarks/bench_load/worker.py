@@ -299,7 +299,7 @@ def run_worker(cfg_path: str) -> int:
             result["io"] = {key: io_after[key] - io_before[key] for key in io_before}
         result["load_seconds"] = end - start
         if cfg["remote_url"] and cfg["implementation"] != "master-s3":
-            from lightning_fsdp.loading.remote import fetched_bytes
+            from lightning_fsdp.loading.files import fetched_bytes
 
             result["fetched"] = fetched_bytes()
         result["peak_rss"] = 1024 * (_read_fields("/proc/self/status", ("VmHWM",)) or {}).get("VmHWM", 0)

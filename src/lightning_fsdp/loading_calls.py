@@ -22,10 +22,10 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.loading.agreement import new_namespace
 from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError, unexpected_cause
-from lightning_fsdp.loading.files import CheckpointPath
+from lightning_fsdp.loading.files import CheckpointPath, StoragePath
 from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
-from lightning_fsdp.loading.remote import RemotePath, is_remote, remote_path
+from lightning_fsdp.loading.remote import is_remote, remote_path
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
 
@@ -179,7 +179,7 @@ def raise_if_path_refused(path: CheckpointPath, error: Exception, raw: bool, str
     the text of upstream's ``strategy`` follows (``shards`` names the sharded format in it), for code that matches it.
 
     """
-    if path.is_file() or (not raw and not isinstance(path, RemotePath) and _is_sharded_checkpoint(path)):
+    if path.is_file() or (not raw and not isinstance(path, StoragePath) and _is_sharded_checkpoint(path)):
         return
     try:
         detect_checkpoint(path)

@@ -198,8 +198,10 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
 
         The arguments are checked in upstream's order, with its exception types and messages; a path that holds
         nothing this method reads raises a :class:`~lightning_fsdp.CheckpointPathError`, both a ``ValueError``
-        (upstream's type) and a ``CheckpointLoadError``. A remote file (an fsspec URL such as ``s3://...``) is read
-        the same way, each rank fetching only its own byte ranges; a remote sharded directory is refused.
+        (upstream's type) and a ``CheckpointLoadError``.
+
+        A remote file (an fsspec URL such as ``s3://...``) is read the same way, each rank fetching only its own byte
+        ranges; a remote sharded directory too, by the same validated reader.
 
         """
         if not state:

@@ -272,9 +272,11 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         The arguments are checked as upstream checks them, with upstream's exception types and messages. A path that
         upstream refuses too (neither a file nor a directory of checkpoint shards) and that holds nothing this method
         reads raises a :class:`~lightning_fsdp.CheckpointPathError`, both a ``ValueError`` (upstream's type) and a
-        ``CheckpointLoadError``. A remote file (an fsspec URL such as ``s3://...``, with the ``storage_options`` of
-        :meth:`load_options`) is read the same way, each rank fetching only its own byte ranges; a remote sharded
-        directory is refused.
+        ``CheckpointLoadError``.
+
+        A remote file (an fsspec URL such as ``s3://...``, with the ``storage_options`` of :meth:`load_options`) is
+        read the same way, each rank fetching only its own byte ranges; a remote sharded directory too, by the same
+        validated reader.
 
         Args:
             path: A checkpoint file or directory.

@@ -47,8 +47,8 @@ def reset_rank_zero_only():
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "package_only: a test of the lightning-fsdp package itself (its opt-in, CLI, docs, benchmark), which its"
-        " upstream command leaves out and which is skipped against upstream's class",
+        "package_only: a test of this package itself (its opt-in, CLI, docs, benchmark), which its upstream command"
+        " leaves out and which is skipped against upstream's class",
     )
 
 
@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item], config: pytest.Confi
     # The upstream command rewrites the import above to upstream's class (and leaves out the tests marked at module or
     # function level); this catches any other marked test, e.g. a method of a test class.
     if not FSDPStrategy.__module__.startswith("lightning_fsdp."):
-        skip = pytest.mark.skip(reason="a test of the lightning_fsdp package, run against upstream's class")
+        skip = pytest.mark.skip(reason="a test of this package itself, run against upstream's class")
         for item in items:
             if item.get_closest_marker("package_only") is not None:
                 item.add_marker(skip)

@@ -157,6 +157,6 @@ def test_falls_back_to_fsdp_state_dict_loading_with_one_warning(tmp_path):
     messages = run_distributed(
         _load_while_unsharded, str(tmp_path / "model.pth"), str(tmp_path / "model.pth"), devices=2
     )
-    assert "cannot load this checkpoint shard-locally" in messages[0]
+    assert "The checkpoint cannot be loaded shard-locally" in messages[0]
     assert "holds an unsharded copy of its parameters" in messages[0]
     assert "shard-locally" not in messages[1]  # the warning is rank 0's only

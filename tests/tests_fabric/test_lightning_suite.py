@@ -45,13 +45,14 @@ INTENDED_CHANGES = {
 #: On the patched tree only: the connector's GPU-only check for FSDP is removed. Master's tests of its remote branch
 #: (fsspec URLs, read whole through `cloud_io._load`, which they mock) meet the shard-local remote reader instead: a
 #: remote file is read by byte ranges, with `weights_only=True` unless `weights_only=False` is passed, and a remote
-#: sharded directory is refused. The release's tests have none of these; only the tests a run collects are expected.
+#: sharded directory by the validated reader. The release's tests have none of these; only the tests a run collects
+#: are expected.
 INTENDED_CHANGES_PATCHED = {
     **INTENDED_CHANGES,
     "test_fsdp_unsupported_on_cpu": "FSDP runs on CPU (gloo)",
     "test_load_full_checkpoint_remote_allows_non_tensor_objects": "a remote file is read by byte ranges, weights-only",
     "test_load_full_checkpoint_remote_honors_explicit_weights_only": "a remote file is read by byte ranges",
-    "test_load_sharded_checkpoint_metadata_weights_only": "a remote sharded directory is refused",
+    "test_load_sharded_checkpoint_metadata_weights_only": "a remote sharded directory is read by the validated reader",
 }
 
 

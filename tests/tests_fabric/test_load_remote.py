@@ -1,7 +1,8 @@
 """Checkpoints in object storage: a real S3 API (moto's server on 127.0.0.1, s3fs as the client), 2 CPU ranks.
 
-Every format loads from ``s3://`` bit-exact as the same file loads from disk, with both strategies; each rank fetches
-only part of the object; faults of the store (missing object or bucket, denied access, server errors, throttling, a
+Every format loads from ``s3://`` bit-exact as the same file loads from disk, with both strategies, a sharded
+directory (model and optimizer) too; each rank fetches only part of the object (of a sharded directory, its own
+entries); faults of the store (missing object or bucket, denied access, server errors, throttling, a
 connection reset in a range, an object replaced during the load, a truncated object) end in one clear error on every
 rank, with the model untouched where the error comes before the copy, and no credential in any message.
 """
@@ -9,6 +10,7 @@ rank, with the model untouched where the error comes before the copy, and no cre
 import contextlib
 import io
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,18 @@ from torch import nn
 from lightning_fsdp import CheckpointLoadError, FSDPStrategy, ModelParallelStrategy
 from lightning_fsdp.loading import progress as progress_module
 from lightning_fsdp.loading import remote
+from lightning_fsdp.loading.files import fetched_bytes
 from lightning_fsdp.loading.progress import PROGRESS_ENV_VAR
 from lightning_fsdp.loading.sources import materialize
 from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
+from tests.tests_fabric.helpers.hostile_dcp import (
+    MarkerPayload,
+    copy_checkpoint,
+    read_metadata,
+    truncate_shard,
+    write_metadata,
+)
 from tests.tests_fabric.helpers.models import Block, TinyTransformer, make_batch
 from tests.tests_fabric.helpers.object_store import (
     BUCKET,
@@ -32,6 +42,7 @@ from tests.tests_fabric.helpers.object_store import (
     SECRET,
     ObjectStore,
     object_store,  # noqa: F401 (the fixture)
+    proxy_stats,
     set_faults,
     without_client_retries,
 )
@@ -95,11 +106,11 @@ def _load_local_and_remote(strategy: str, raw: dict[str, tuple[str, str]], full_
             states = []
             for path in (local, url):
                 model, optimizer = _fresh(fabric, seed=7)
-                before = remote.fetched_bytes()
+                before = fetched_bytes()
                 with contextlib.redirect_stderr(io.StringIO()) as bar:
                     fabric.load_raw(path, model)
                 if path == url:
-                    fetched[fmt] = remote.fetched_bytes() - before
+                    fetched[fmt] = fetched_bytes() - before
                     fetched[f"{fmt} bar"] = bar.getvalue()
                 states.append(_full_state(strategy, model, optimizer)["model"])
             assert_same_state(states[1], states[0], fmt)
@@ -231,3 +242,140 @@ def test_store_faults_give_one_clear_error_on_every_rank(object_store: ObjectSto
             assert KEY not in message, f"{case}: {message}"
             assert SECRET not in message, f"{case}: {message}"
         assert messages[0] == messages[1], f"{case}: the ranks disagree: {messages}"
+
+
+def _sharded_fabric(strategy: str) -> Fabric:
+    if strategy == "fsdp1":
+        chosen: Any = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="sharded")
+    else:
+        chosen = ModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=chosen)
+    fabric.launch()
+    return fabric
+
+
+def _trained(fabric: Fabric, seed: int) -> tuple[nn.Module, Any]:
+    """A fresh model and Adam after one step: the optimizer has state, and the model differs from the seed's."""
+    model, optimizer = _fresh(fabric, seed)
+    inputs, _ = make_batch(seed)
+    fabric.backward(model(inputs).sum())
+    optimizer.step()
+    return model, optimizer
+
+
+def _save_sharded(strategy: str, path: str) -> None:
+    fabric = _sharded_fabric(strategy)
+    model, optimizer = _trained(fabric, seed=1)
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
+
+
+def _payload_in_metadata(path: Path) -> None:
+    metadata = read_metadata(path)
+    metadata.version = MarkerPayload(Path(f"{path}.marker"))
+    write_metadata(path, metadata)
+
+
+#: name -> (tamper with a local copy before it is uploaded, fault rules of the proxy, the error expected on every rank)
+_SHARDED_CASES = {
+    "code in .metadata": (
+        _payload_in_metadata,
+        [],
+        r"Refused to unpickle `io\.open` from the sharded checkpoint's metadata file 's3://.*/\.metadata' \(the"
+        r" payload was not run\)",
+    ),
+    "truncated shard": (
+        lambda path: truncate_shard(path, "__0_0.distcp"),
+        [],
+        r"The shard file 's3://.*/__0_0\.distcp' of the sharded checkpoint is truncated: the metadata places data up"
+        r" to byte \d+, but the file has \d+ bytes",
+    ),
+    "missing shard object": (
+        lambda path: (path / "__1_0.distcp").unlink(),
+        [],
+        r"The shard file of the sharded checkpoint 's3://.*/__1_0\.distcp' does not exist \(no such object",
+    ),
+    "shard replaced during the load": (
+        lambda path: None,
+        [{"kind": "replace", "key": "{prefix}/__0_0.distcp", "flip_at": 0.5, "count": 1}],
+        r"The object 's3://.*/__0_0\.distcp' was changed while it was being loaded",
+    ),
+}
+
+
+def _load_sharded_local_and_remote(strategy: str, local: str, urls: dict[str, str], proxy: str, options: dict) -> dict:
+    """Load the sharded checkpoint from disk and from S3 (bit-exact alike, counting the bytes fetched), then each
+    hostile copy from S3 (one error on every rank, the model and the optimizer untouched, no payload run)."""
+    fabric = _sharded_fabric(strategy)
+    outcomes: dict[str, Any] = {}
+    with fabric.strategy.load_options(storage_options=options):
+        states = []
+        for path in (local, urls["intact"]):
+            model, optimizer = _trained(fabric, seed=2)
+            state = {"model": model, "optimizer": optimizer, "step": 0}
+            if fabric.global_rank == 0:
+                set_faults(proxy, [])  # zeroes the proxy's counters
+            fabric.barrier()
+            before = fetched_bytes()
+            assert fabric.load(path, state) == {}
+            fabric.barrier()
+            if path == urls["intact"]:
+                outcomes["fetched"] = fetched_bytes() - before
+                outcomes["proxy GET bytes"] = proxy_stats(proxy)["get_bytes"]  # of both ranks
+            assert state["step"] == 3
+            states.append(gather_full_state(model, optimizer))
+        assert_same_state(states[1], states[0], "sharded checkpoint")
+
+        model, optimizer = _trained(fabric, seed=3)
+        before = gather_full_state(model, optimizer)
+        for case, (_, rules, _) in _SHARDED_CASES.items():
+            if fabric.global_rank == 0:
+                prefix = urls[case].split(f"{BUCKET}/", 1)[1]
+                set_faults(proxy, [{**rule, "key": rule["key"].format(prefix=prefix)} for rule in rules])
+            fabric.barrier()
+            try:
+                fabric.load(urls[case], {"model": model, "optimizer": optimizer})
+            except CheckpointLoadError as error:
+                outcomes[case] = str(error)
+            else:
+                outcomes[case] = "loaded"
+            assert_same_state(gather_full_state(model, optimizer), before, case)
+            fabric.barrier()
+    if fabric.global_rank == 0:
+        set_faults(proxy, [])
+    return outcomes
+
+
+@pytest.mark.parametrize("strategy", ["fsdp1", "fsdp2"])
+def test_sharded_checkpoint_loads_from_s3_as_from_disk(object_store: ObjectStore, tmp_path, strategy):  # noqa: F811
+    """A sharded checkpoint (model and Adam's state) that Fabric saved, loaded from S3: bit-exact as from disk, each
+    rank fetching its own entries only; hostile and broken copies refused on every rank, the model untouched."""
+    saved = tmp_path / "saved"
+    run_distributed(_save_sharded, strategy, str(saved), devices=2)
+    urls = {"intact": object_store.upload(saved, f"sharded-{strategy}/intact")}
+    for index, (case, (tamper, _, _)) in enumerate(_SHARDED_CASES.items()):
+        copy = copy_checkpoint(saved, tmp_path / f"case-{index}")
+        tamper(copy)
+        urls[case] = object_store.upload(copy, f"sharded-{strategy}/case-{index}")
+
+    outcomes = run_distributed(
+        _load_sharded_local_and_remote,
+        strategy,
+        str(saved),
+        urls,
+        object_store.proxy,
+        object_store.storage_options(),
+        devices=2,
+    )
+    # Each rank fetched the entries of its own shards (and the metadata), not the checkpoint: together about one copy.
+    size = sum(file.stat().st_size for file in saved.iterdir())
+    per_rank = [rank["fetched"] for rank in outcomes]
+    assert all(count < 0.75 * size for count in per_rank), (per_rank, size)
+    assert sum(per_rank) < 1.1 * size, (per_rank, size)
+    assert outcomes[0]["proxy GET bytes"] < 1.1 * size, (outcomes[0]["proxy GET bytes"], size)
+    for index, (case, (_, _, pattern)) in enumerate(_SHARDED_CASES.items()):
+        messages = [rank[case] for rank in outcomes]
+        assert messages[0] == messages[1], f"{case}: the ranks disagree: {messages}"
+        assert re.search(pattern, messages[0], flags=re.DOTALL), f"{case}: {messages[0]!r} does not match {pattern!r}"
+        assert KEY not in messages[0], f"{case}: {messages[0]}"
+        assert SECRET not in messages[0], f"{case}: {messages[0]}"
+        assert not (tmp_path / f"case-{index}.marker").exists(), f"{case}: the payload ran"

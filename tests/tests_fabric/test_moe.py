@@ -297,7 +297,7 @@ def test_conversions_that_transformers_cannot_read_leave_the_names_as_they_are(t
     """Declarations that raise inside transformers: one warning, and the file's names are matched as they are."""
 
     class _Config(transformers.PretrainedConfig):
-        model_type = "lightning_fsdp_test_custom"
+        model_type = "checkpoint_loading_test_custom"
 
     class _Custom(transformers.PreTrainedModel):
         config_class = _Config
@@ -314,7 +314,7 @@ def test_conversions_that_transformers_cannot_read_leave_the_names_as_they_are(t
     save_file(model.state_dict(), path)
     opened = open_checkpoint(detect_checkpoint(path), None, True)
     try:
-        with pytest.warns(UserWarning, match=r"could not read the weight conversions that _Custom declares \(Runtime"):
+        with pytest.warns(UserWarning, match=r"conversions that _Custom declares could not be read \(Runtime"):
             assert with_declared_conversions(model, opened.source, _targets(model)) is opened.source
     finally:
         opened.close()

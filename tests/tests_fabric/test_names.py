@@ -22,7 +22,7 @@ from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, TinyTransformer
 from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
 
-_INFO = "lightning-fsdp:"
+_INFO = "The checkpoint's names match the model's once"
 
 
 class CausalLM(nn.Module):

@@ -22,6 +22,9 @@ from tests.tests_fabric.helpers.models import tiny_llama_config
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+# peft calls a method that transformers deprecated; Lightning's test configuration turns `FutureWarning` into errors.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
 _VOCAB = 64
 _ADVISED = re.compile(r"`rename=(lambda name: .*?)`, ")
 

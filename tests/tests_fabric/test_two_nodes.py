@@ -25,7 +25,8 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from tests.tests_fabric.helpers.models import TinyTransformer
 from tests.tests_fabric.helpers.runif import RunIf
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Where this package of tests is imported from: the repository's root here, ``tests/`` once carried into Lightning.
+_IMPORT_ROOT = Path(__file__).resolve().parents[len(__name__.split(".")) - 1]
 _WORKER = Path(__file__).resolve().parent / "scripts" / "two_nodes_worker.py"
 _NUM_NODES = 2
 _TIMEOUT = 150.0
@@ -82,9 +83,7 @@ def _run_two_nodes(
         for name, value in os.environ.items()
         if name not in _INHERITED_NAMES and not name.startswith(_INHERITED_PREFIXES)
     }
-    base_env["PYTHONPATH"] = os.pathsep.join(
-        [str(_REPO_ROOT), str(_REPO_ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
+    base_env["PYTHONPATH"] = os.pathsep.join([str(_IMPORT_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     base_env["OMP_NUM_THREADS"] = "1"
     worker_args = [str(_WORKER), f"--accelerator={accelerator}", f"--devices={devices}", f"--num-nodes={_NUM_NODES}"]
     worker_args += [f"--checkpoint={checkpoint}", f"--report-dir={report_dir}"]
@@ -97,7 +96,7 @@ def _run_two_nodes(
         command = _launch_command(launcher, node_rank, port, accelerator, devices) + worker_args
         with open(log, "w") as out:
             process = subprocess.Popen(  # each node in its own session, so that a hang is killed with its workers
-                command, env=env, cwd=_REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                command, env=env, cwd=_IMPORT_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
         processes.append(process)
 

@@ -20,6 +20,7 @@ from lightning_fsdp.upstream import UpstreamError, _apply, destinations, plan
 from lightning_fsdp.upstream.__main__ import main
 from lightning_fsdp.upstream._apply import _changelog, pinned_fingerprints
 from lightning_fsdp.upstream._merge import merge_module
+from lightning_fsdp.upstream._rewrite import UPSTREAM_NAMES, drop_package_only_blocks, package_mentions
 from lightning_fsdp.upstream._series import reference_tree
 from lightning_fsdp.upstream._source import Source
 
@@ -76,6 +77,44 @@ def test_writes_the_change_in_lightnings_layout(tree: Path) -> None:
     changelog = (tree / "src/lightning/fabric/CHANGELOG.md").read_text()
     unreleased = changelog.split("## [unreleased]", 1)[1].split("\n## ", 1)[0]
     assert "`load_concurrency`" in unreleased
+
+
+def test_nothing_it_writes_names_the_package(tree: Path) -> None:
+    """The package's name stays with the package: upstream's spellings replace the names it keeps (upstream.rst)."""
+    result = plan(tree)
+    written = {change.path: change.new for change in result.changes}
+    assert [f"{path}:{line}" for path, text in written.items() for line in package_mentions(text)] == []
+    assert not [note for note in result.notes if "names the package" in note]
+    everything = "\n".join(written.values())
+    unused = [ours for ours, upstream in UPSTREAM_NAMES.items() if upstream not in everything]
+    assert unused == [], "these names are no longer carried: remove their rules"
+    # A file that carries a header carries Lightning's, as Lightning's own files have it.
+    lightning_header = _header((tree / "src/lightning/fabric/strategies/fsdp.py").read_text())
+    headers = {path: _header(text) for path, text in written.items() if path.endswith(".py") and _header(text)}
+    new_files = [change.path for change in result.changes if change.old is None and change.path in headers]
+    assert new_files
+    assert {path: headers[path] for path in new_files} == {path: lightning_header for path in new_files}
+
+
+def _header(text: str) -> str:
+    lines = text.splitlines()
+    end = next((index for index, line in enumerate(lines) if not line.startswith("#")), len(lines))
+    return "\n".join(lines[:end]) if end and lines[0].startswith("# Copyright") else ""
+
+
+def test_the_package_only_parts_of_the_guide_are_left_out() -> None:
+    page = "Intro, see `Usage`_.\n\n.. package-only\n\n.. _usage:\n\nUsage\n=====\n\nInstall it.\n\n"
+    page += ".. end package-only\n\nEnd.\n"
+    kept, dropped = drop_package_only_blocks(page, "page.rst")
+    assert kept == "Intro, see `Usage`_.\n\nEnd.\n"
+    assert dropped == {"usage"}
+    with pytest.raises(UpstreamError, match=r"to sections inside them.*\n  - page.rst: `usage`\nMove the reference"):
+        _apply._check_package_only_references({Path("page.rst"): (kept, dropped)})
+    _apply._check_package_only_references(
+        {Path("page.rst"): drop_package_only_blocks(page.replace("`Usage`_", ""), "")}
+    )
+    with pytest.raises(UpstreamError, match=r"page.rst:3: `.. package-only` is not closed by `.. end package-only`"):
+        drop_package_only_blocks(page.replace(".. end package-only", ""), "page.rst")
 
 
 def test_patched_tree_runs_on_cpu_without_this_package(tree: Path, tmp_path: Path) -> None:
@@ -264,3 +303,10 @@ def test_upstream_rst_lists_what_the_command_writes() -> None:
         for source, dest in expected.items()
     )
     assert documented == expected, f"update the table in {_DOCS}:\n{rendered}"
+
+
+def test_upstream_rst_lists_the_names_the_command_rewrites() -> None:
+    """The table of upstream's spellings in docs/source-fabric/upstream.rst is the command's own."""
+    table = _DOCS.read_text().split(".. _upstream-names-table:", 1)[1].split("\n\n\n", 1)[0]
+    documented = dict(re.findall(r"\* - ``([^`]+)``\n\s+- ``([^`]+)``", table))
+    assert documented == UPSTREAM_NAMES

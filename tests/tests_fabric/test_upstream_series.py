@@ -15,8 +15,10 @@ import pytest
 from lightning_fsdp.upstream import UpstreamError, plan
 from lightning_fsdp.upstream.__main__ import main
 from lightning_fsdp.upstream._apply import Change, Plan
+from lightning_fsdp.upstream._rewrite import package_mentions
 from lightning_fsdp.upstream._series import (
     STEPS,
+    Interim,
     _edited_tests,
     _manifest_items,
     assign,
@@ -28,6 +30,9 @@ from tests.tests_fabric.test_upstream import installed_lightning_tree
 pytestmark = pytest.mark.package_only
 
 _STRATEGY = "src/lightning_fsdp/strategy.py"
+_LOADING_CALLS = "src/lightning_fsdp/loading_calls.py"
+#: The step that reads remote checkpoints by byte ranges: before it, remote paths keep master's branch.
+_REMOTE_STEP = next(number for number, step in enumerate(STEPS, 1) if "remote.py" in " ".join(step.carries))
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +52,17 @@ def _git_tree(root: Path) -> Path:
     _git(tree, "add", "--all")
     _git(tree, "commit", "--quiet", "-m", "base")
     return tree
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A git tree with the whole series committed onto it by the command, and the descriptions it wrote."""
+    root = tmp_path_factory.mktemp("series")
+    tree = _git_tree(root / "lightning")
+    descriptions = root / "descriptions"
+    with redirect_stdout(StringIO()):
+        assert main([str(tree), "--series", "--descriptions", str(descriptions)]) == 0
+    return tree, descriptions
 
 
 def test_the_manifest_carries_everything_once(items):
@@ -73,7 +89,7 @@ def test_a_step_that_uses_what_a_later_step_brings_is_refused(items):
     text = dict(items)[_STRATEGY]
     kept = restrict(_STRATEGY, text)
     assert "def _fsdp_kwargs_added" not in kept
-    assert restrict.problems == [f"step 5: {_STRATEGY} uses `_fsdp_kwargs_added`, which step 6 brings"]
+    assert restrict.problems == [f"step 5: {_STRATEGY} uses `_fsdp_kwargs_added`, which step {len(STEPS)} brings"]
     # With the manifest as it is, step 2 keeps only the device methods, and the imports they use.
     early = restriction(assign(items), 2)
     kept = early(_STRATEGY, text)
@@ -82,6 +98,44 @@ def test_a_step_that_uses_what_a_later_step_brings_is_refused(items):
     assert "def module_init_context" in kept
     assert "def load_checkpoint" not in kept
     assert "loading_calls" not in kept
+
+
+def test_remote_paths_keep_masters_branch_until_the_remote_step(items):
+    """Before the remote step, `load_checkpoint` hands an fsspec URL to the method it replaces.
+
+    That is master's branch, kept as `_default_load_checkpoint` by the merge, and nothing imports the remote reader;
+    from the remote step on, the files are the package's own.
+
+    """
+    texts = dict(items)
+    assignment = assign(items)
+    before = restriction(assignment, _REMOTE_STEP - 1)
+    strategy = before(_STRATEGY, texts[_STRATEGY])
+    assert "from lightning.fabric.utilities.cloud_io import _is_local_file_protocol\n" in strategy
+    dispatch = "        if not _is_local_file_protocol(path):\n"
+    assert strategy.index(dispatch) < strategy.index("        state, module_key = _checked_state(state)\n")
+    assert "return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)" in strategy
+    assert "storage_options: dict" not in strategy
+    assert "def load_options(self, rename: Rename | None = None) -> AbstractContextManager:" in strategy
+    loading_calls = before(_LOADING_CALLS, texts[_LOADING_CALLS])
+    assert "lightning_fsdp.loading.remote" not in loading_calls
+    assert "def checkpoint_path" not in loading_calls
+    assert "_load_storage_options" not in loading_calls
+    assert "from collections.abc import Iterator\n" in loading_calls  # `Mapping` only served the remote options
+    assert before.problems == []
+    at_remote_step = restriction(assignment, _REMOTE_STEP)
+    for path in (_STRATEGY, _LOADING_CALLS, "src/lightning_fsdp/model_parallel.py"):
+        assert at_remote_step(path, texts[path]) == texts[path]
+
+
+def test_an_interim_that_no_longer_matches_the_file_is_refused(items):
+    last = STEPS[-1]
+    stale = Interim(_STRATEGY, final="    def no_such_method(self) -> None:\n", interim="")
+    problems = assign(items, (*STEPS[:-1], replace(last, interims=(*last.interims, stale)))).problems
+    assert problems == [
+        f"step {len(STEPS)}: the lines of {_STRATEGY} that read otherwise before it were found 0 times there (the file"
+        " changed): update its `Interim`"
+    ]
 
 
 def test_an_import_of_a_later_module_is_refused(tmp_path):
@@ -96,12 +150,8 @@ def test_an_import_of_a_later_module_is_refused(tmp_path):
     ]
 
 
-def test_series_commits_each_step_and_ends_at_the_one_shot_change(tmp_path):
-    tree = _git_tree(tmp_path / "lightning")
-    descriptions = tmp_path / "descriptions"
-    out = StringIO()
-    with redirect_stdout(out):
-        assert main([str(tree), "--series", "--descriptions", str(descriptions)]) == 0
+def test_series_commits_each_step_and_ends_at_the_one_shot_change(committed, tmp_path):
+    tree, descriptions = committed
     total = len(STEPS)
     subjects = _git(tree, "log", "--reverse", "--format=%s", f"HEAD~{total}..HEAD").splitlines()
     assert subjects == [f"({number}/{total}) {step.title}" for number, step in enumerate(STEPS, 1)]
@@ -121,6 +171,33 @@ def test_series_commits_each_step_and_ends_at_the_one_shot_change(tmp_path):
     # The first step only removes the connector's check; the step's own files change, nothing else.
     first = _git(tree, "show", "--name-only", "--format=", f"HEAD~{total - 1}").split()
     assert first == ["src/lightning/fabric/CHANGELOG.md", "src/lightning/fabric/connector.py"]
+    # Before the remote step, the release's own `load_checkpoint` is kept for remote paths; the remote step drops it.
+    fsdp = "src/lightning/fabric/strategies/fsdp.py"
+    before_remote = _git(tree, "show", f"HEAD~{total - _REMOTE_STEP + 1}:{fsdp}")
+    assert "    def _default_load_checkpoint(\n" in before_remote
+    assert (
+        "return self._default_load_checkpoint(path, state, strict=strict, weights_only=weights_only)" in before_remote
+    )
+    assert "_default_load_checkpoint" not in _git(tree, "show", f"HEAD~{total - _REMOTE_STEP}:{fsdp}")
+
+
+def test_no_step_names_the_package(committed):
+    """No file that a step writes or edits, and no description, names the package (upstream.rst)."""
+    tree, descriptions = committed
+    total = len(STEPS)
+    found = []
+    for number in range(1, total + 1):
+        commit = f"HEAD~{total - number}"
+        paths = _git(tree, "show", "--name-only", "--format=", commit).split()
+        assert paths, f"step {number} changes nothing"
+        for path in paths:
+            found += [
+                f"step {number}: {path}:{line}" for line in package_mentions(_git(tree, "show", f"{commit}:{path}"))
+            ]
+    written = sorted(descriptions.iterdir())
+    assert len(written) == total
+    found += [f"{path.name}:{line}" for path in written for line in package_mentions(path.read_text())]
+    assert found == []
 
 
 def test_series_refuses_a_checkout_with_uncommitted_changes(tmp_path):

@@ -2,9 +2,7 @@
 
 The source here is a legacy-format ``torch.save`` file; the conversion reads it by byte ranges, a chunk of rows at a
 time. The sharded checkpoint that the conversion writes is read by each rank in part: only the chunks that overlap
-its own shard, already cut in rows. On the command line the conversion is
-``lightning-fsdp convert checkpoints/lit-llama.pth checkpoints/lit-llama-sharded``; this script calls the function
-behind it, ``convert_checkpoint``.
+its own shard, already cut in rows. The conversion is one call of ``convert_checkpoint``, in one process.
 
 Run it with ``python convert_and_load.py``: Fabric launches the second process itself. It needs no GPU.
 """
@@ -53,15 +51,15 @@ def main() -> None:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}))
     fabric.launch()
 
-    # Once, before training, in one process (here rank 0 of the job; `lightning-fsdp convert` needs no GPU and no
-    # process group). The source is a stand-in for a downloaded file.
+    # Once, before training, in one process (here rank 0 of the job; the conversion needs no GPU and no process
+    # group). The source is a stand-in for a downloaded file.
     source = Path("checkpoints/lit-llama.pth")
     sharded = Path("checkpoints/lit-llama-sharded")
     if fabric.global_rank == 0:
         source.parent.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
         torch.save(Model().state_dict(), source, _use_new_zipfile_serialization=False)
-        result = convert_checkpoint(source, sharded)  # lightning-fsdp convert checkpoints/lit-llama.pth ...
+        result = convert_checkpoint(source, sharded)
         print(f"converted {source}: {result.tensors} tensors in {result.chunks} chunks")
     fabric.barrier()
 

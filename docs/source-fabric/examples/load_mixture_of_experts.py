@@ -7,7 +7,7 @@ fused tensors from the conversions that the model declares, as ``from_pretrained
 parts of the expert tensors that fall in its shard.
 
 Run it with ``python load_mixture_of_experts.py``: Fabric launches the second process itself. It needs no GPU, and
-``transformers`` 5 (``pip install 'lightning-fsdp[test]'`` installs it).
+``transformers`` 5 (the package's ``test`` extra installs it).
 """
 
 # Checked by tests/tests_fabric/test_docs_examples.py: rank 0 prints lines containing

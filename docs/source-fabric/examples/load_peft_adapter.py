@@ -7,7 +7,7 @@ the loader advises when it is called without) and ``strict=False``: the base fil
 nor the adapter file the base model's.
 
 Run it with ``python load_peft_adapter.py``: Fabric launches the second process itself. It needs no GPU, and
-``transformers`` and ``peft`` (``pip install 'lightning-fsdp[test]'`` installs them).
+``transformers`` and ``peft`` (the package's ``test`` extra installs them).
 """
 
 # Checked by tests/tests_fabric/test_docs_examples.py: rank 0 prints lines containing

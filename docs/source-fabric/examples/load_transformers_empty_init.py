@@ -6,7 +6,7 @@ own shard of each unit), then loaded from the ``save_pretrained`` directory, sha
 checkpoint holds) are initialised by the model's own ``_init_weights``, and the head stays tied to the embedding.
 
 Run it with ``python load_transformers_empty_init.py``: Fabric launches the second process itself. It needs no GPU,
-and ``transformers`` (``pip install 'lightning-fsdp[test]'`` installs it).
+and ``transformers`` (the package's ``test`` extra installs it).
 """
 
 # Checked by tests/tests_fabric/test_docs_examples.py: rank 0 prints lines containing
@@ -53,7 +53,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     fabric.print(f"created {type(model).__name__} on the meta device")
 
-    # FSDP materialises each unit on the rank's device and shards it; lightning-fsdp initialises every module (the
+    # FSDP materialises each unit on the rank's device and shards it; the strategy initialises every module (the
     # model's own `_init_weights`, or `reset_parameters()`) and keeps `lm_head.weight` and the embedding one tensor.
     model = fabric.setup_module(model)
     tied = model.module.lm_head.weight is model.module.model.embed_tokens.weight

@@ -210,8 +210,8 @@ def _declared_transforms(module: Module) -> list[Any]:
         return list(get_model_conversion_mapping(model))
     except Exception as error:  # a model of custom code that transformers cannot read: its names load as they are
         rank_zero_warn(
-            f"lightning-fsdp could not read the weight conversions that {type(model).__name__} declares"
-            f" ({type(error).__name__}: {error}); the checkpoint's names are matched as they are."
+            f"The weight conversions that {type(model).__name__} declares could not be"
+            f" read ({type(error).__name__}: {error}); the checkpoint's names are matched as they are."
         )
         return []
 
@@ -292,7 +292,7 @@ def _evaluate(
             values = {"": [tensor if keep else swapped]}
         else:
             raise CheckpointLoadError(
-                f"The model declares that {name!r} is made by {described}; lightning-fsdp cannot read"
+                f"The model declares that {name!r} is made by {described}; the loader cannot read"
                 f" `{operation!r}` shard-locally, and loading without it would leave {name!r} uninitialised. Convert"
                 " the checkpoint once in one process: `model = AutoModelForCausalLM.from_pretrained(path)`, then"
                 " `safetensors.torch.save_file(model.state_dict(), 'converted.safetensors')`, and load that file."
@@ -301,7 +301,7 @@ def _evaluate(
     if len(results) != 1:
         raise CheckpointLoadError(
             f"The model declares that {name!r} is made by {described}, which gives {len(results)} tensors, not one:"
-            " lightning-fsdp reads only conversions that assemble one model tensor from checkpoint tensors."
+            " the loader reads only conversions that assemble one model tensor from checkpoint tensors."
         )
     return results[0]
 

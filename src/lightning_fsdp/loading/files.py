@@ -5,23 +5,113 @@ loader opens is checked with :func:`require_regular_file` first. :func:`read_exa
 positioned reads into the caller's buffer: unlike a memory map, a file that shrinks while it is read gives an error,
 never a ``SIGBUS``.
 
+These functions are the one way the readers open and read a path. A path on other storage than the local file system
+(an object in object storage) is a :class:`StoragePath`, which opens itself as a :class:`StorageFile`: the readers
+ask it for the same byte ranges as a local file, through the same functions.
+
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
 import os
 import stat
+import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.remote import RemoteFile, RemotePath
 
-#: What the loader reads: a local file, or an object in object storage (:mod:`~lightning_fsdp.loading.remote`).
-CheckpointPath = Path | RemotePath
-#: An open file: a file descriptor, or an object opened for ranged reads.
-OpenFile = int | RemoteFile
+
+class StorageFile(ABC):
+    """A :class:`StoragePath` opened for positioned reads: what a file descriptor is to a local file."""
+
+    @abstractmethod
+    def read_into(self, offset: int, buffer: memoryview, what: str, cached: bool = True) -> None:
+        """Fill ``buffer`` with the bytes from ``offset`` on, or raise a ``CheckpointLoadError`` naming ``what``.
+
+        ``cached=False`` asks for exactly these bytes (a tensor's slice), not for blocks around them that the file
+        may keep for the small reads that follow.
+
+        """
+
+    @abstractmethod
+    def stream(self) -> BinaryIO:
+        """A seekable binary stream over the file (for ``zipfile``, the pickles and ``torch.load``)."""
+
+    @abstractmethod
+    def check_unchanged(self) -> None:
+        """Raise a ``CheckpointLoadError`` if the file is no longer the one that was opened."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class StoragePath(ABC):
+    """A checkpoint path on other storage than the local file system, such as an object in object storage.
+
+    It stands where a local :class:`~pathlib.Path` stands in the readers, with the part of ``Path`` they use, and
+    opens itself for positioned reads (:meth:`open`). Its ``str`` is what messages show (a URL).
+
+    """
+
+    @property
+    @abstractmethod
+    def name(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def parent(self) -> "StoragePath": ...
+
+    @abstractmethod
+    def __truediv__(self, name: str) -> "StoragePath": ...
+
+    @abstractmethod
+    def exists(self) -> bool: ...
+
+    @abstractmethod
+    def is_file(self) -> bool: ...
+
+    @abstractmethod
+    def is_dir(self) -> bool: ...
+
+    @abstractmethod
+    def iterdir(self) -> Iterator["StoragePath"]: ...
+
+    @abstractmethod
+    def glob(self, pattern: str) -> Iterator["StoragePath"]: ...
+
+    @abstractmethod
+    def read_text(self, encoding: str = "utf-8") -> str: ...
+
+    @abstractmethod
+    def stat(self, what: str = "checkpoint file") -> Any:
+        """Its ``st_size`` and ``st_mode``; raise a ``CheckpointLoadError`` if it is missing or not a file."""
+
+    @abstractmethod
+    def open(self, what: str = "checkpoint file") -> StorageFile:
+        """Open it for positioned reads; raise a ``CheckpointLoadError`` naming ``what`` if it cannot be."""
+
+
+#: What the loader reads: a local file, or a file on other storage.
+CheckpointPath = Path | StoragePath
+#: An open file: a file descriptor, or a :class:`StorageFile`.
+OpenFile = int | StorageFile
+
+_fetched = [0]
+_fetched_lock = threading.Lock()
+
+
+def fetched_bytes() -> int:
+    """The bytes this process has fetched from other storage than the local file system so far (for progress)."""
+    return _fetched[0]
+
+
+def count_fetched(count: int) -> None:
+    """Add ``count`` bytes that a :class:`StorageFile` fetched to :func:`fetched_bytes`."""
+    with _fetched_lock:
+        _fetched[0] += count
 
 
 def require_regular_file(path: CheckpointPath, what: str = "checkpoint file") -> Any:
@@ -31,7 +121,7 @@ def require_regular_file(path: CheckpointPath, what: str = "checkpoint file") ->
         CheckpointLoadError: If the path does not exist, or is a FIFO, socket, device or directory.
 
     """
-    if isinstance(path, RemotePath):
+    if isinstance(path, StoragePath):
         return path.stat(what)
     try:
         info = os.stat(path)
@@ -43,7 +133,7 @@ def require_regular_file(path: CheckpointPath, what: str = "checkpoint file") ->
         raise CheckpointLoadError(f"The {what} {str(path)!r} cannot be read: {error.strerror or error}.") from None
     if not stat.S_ISREG(info.st_mode):
         raise CheckpointLoadError(
-            f"The {what} {str(path)!r} is not a regular file but a {_file_kind(info.st_mode)}: lightning-fsdp reads"
+            f"The {what} {str(path)!r} is not a regular file but a {_file_kind(info.st_mode)}: the loader reads"
             " checkpoints from regular files only (a pipe or a device could block every rank). Copy it to a file."
         )
     return info
@@ -51,14 +141,14 @@ def require_regular_file(path: CheckpointPath, what: str = "checkpoint file") ->
 
 def open_file(path: CheckpointPath) -> OpenFile:
     """Open ``path`` for positioned reads (a local file: without following it into a FIFO's blocking open)."""
-    if isinstance(path, RemotePath):
-        return RemoteFile(path)
+    if isinstance(path, StoragePath):
+        return path.open()
     return os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
 
 
 def close_file(file: OpenFile) -> None:
     """Close what :func:`open_file` opened."""
-    if isinstance(file, RemoteFile):
+    if isinstance(file, StorageFile):
         file.close()
     else:
         os.close(file)
@@ -67,8 +157,8 @@ def close_file(file: OpenFile) -> None:
 @contextmanager
 def open_stream(path: CheckpointPath) -> Iterator[BinaryIO]:
     """A buffered binary stream over ``path`` (for ``zipfile``, the pickles and ``torch.load``)."""
-    if isinstance(path, RemotePath):
-        with RemoteFile(path).stream() as stream:
+    if isinstance(path, StoragePath):
+        with path.open().stream() as stream:
             yield stream
     else:
         with open(path, "rb") as stream:
@@ -78,7 +168,7 @@ def open_stream(path: CheckpointPath) -> Iterator[BinaryIO]:
 @contextmanager
 def file_stream(file: OpenFile) -> Iterator[BinaryIO]:
     """A binary stream over a file already open (it stays open after the stream is closed)."""
-    if isinstance(file, RemoteFile):
+    if isinstance(file, StorageFile):
         with file.stream() as stream:
             yield stream
     else:
@@ -88,7 +178,7 @@ def file_stream(file: OpenFile) -> Iterator[BinaryIO]:
 
 def lexists(path: CheckpointPath) -> bool:
     """Whether anything is at ``path``, even a dangling symbolic link."""
-    return path.exists() if isinstance(path, RemotePath) else os.path.lexists(path)
+    return path.exists() if isinstance(path, StoragePath) else os.path.lexists(path)
 
 
 def read_exactly(file: OpenFile, offset: int, buffer: memoryview, path: CheckpointPath, what: str) -> None:
@@ -99,7 +189,7 @@ def read_exactly(file: OpenFile, offset: int, buffer: memoryview, path: Checkpoi
             being read), or cannot be read.
 
     """
-    if isinstance(file, RemoteFile):
+    if isinstance(file, StorageFile):
         file.read_into(offset, buffer, what)
         return
     done = 0

@@ -1,7 +1,7 @@
 """Tell checkpoint layouts apart by their content, and open any of them as one kind of tensor source.
 
 :func:`detect_checkpoint` says what a path holds; :func:`open_checkpoint` is the one way to open it, used alike by
-loading, ``lightning-fsdp inspect`` and ``lightning-fsdp convert``. With ``weights_only=True`` every format is read by
+loading, inspecting and converting a checkpoint. With ``weights_only=True`` every format is read by
 proven byte ranges (:mod:`~lightning_fsdp.loading.sources`); a file the caller trusts (``weights_only=False``) may
 hold any object and is read whole by ``torch.load``.
 
@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line, quoted_names
-from lightning_fsdp.loading.files import CheckpointPath, lexists, open_stream, require_regular_file
+from lightning_fsdp.loading.files import CheckpointPath, StoragePath, lexists, open_stream, require_regular_file
 from lightning_fsdp.loading.legacy import read_legacy_structure
-from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.safetensors_header import read_safetensors_locations
 from lightning_fsdp.loading.sources import (
     MAX_TENSORS,
@@ -101,7 +100,7 @@ def detect_checkpoint(path: str | CheckpointPath) -> DetectedCheckpoint:
             nothing the loader can read. The message says what was found.
 
     """
-    path = path if isinstance(path, RemotePath) else Path(path)
+    path = path if isinstance(path, StoragePath) else Path(path)
     if not path.exists():
         raise CheckpointLoadError(
             f"The checkpoint path {str(path)!r} does not exist (no such file or directory). Pass the path of a"
@@ -153,7 +152,7 @@ def _sniff_file(path: Path) -> CheckpointFormat:
     if head.lstrip()[:1] == b"{":
         return CheckpointFormat.HF_INDEX
     raise CheckpointLoadError(
-        f"The file {str(path)!r} is not a checkpoint format lightning-fsdp reads: neither a `torch.save` file (zip or"
+        f"The file {str(path)!r} is not a checkpoint format that the loader reads: neither a `torch.save` file (zip or"
         f" legacy), a safetensors file, nor a Hugging Face `*.index.json`. Its first bytes are {head[:8].hex(' ')}."
     )
 
@@ -233,7 +232,7 @@ def load_torch_file(path: Path, weights_only: bool) -> Any:
     """
     require_regular_file(path)
     with unpickling_errors(path, weights_only), ExitStack() as stack:
-        source = stack.enter_context(open_stream(path)) if isinstance(path, RemotePath) else path
+        source = stack.enter_context(open_stream(path)) if isinstance(path, StoragePath) else path
         return torch.load(source, map_location="cpu", mmap=False, weights_only=weights_only)
 
 
@@ -308,7 +307,7 @@ def open_checkpoint(
 def open_every_tensor(detected: DetectedCheckpoint, weights_only: bool) -> OpenedCheckpoint:
     """Open every tensor of a checkpoint file, each named by its dotted path (``optimizer.state.w.exp_avg``).
 
-    For ``lightning-fsdp inspect``: the same reading and checks as :func:`open_checkpoint`, whatever the file holds.
+    For inspecting a file: the same reading and checks as :func:`open_checkpoint`, whatever the file holds.
     ``raw`` says whether the file is a module state dict (tensors at its top level).
 
     """

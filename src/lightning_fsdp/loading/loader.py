@@ -20,13 +20,13 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.loading.conversions import with_declared_conversions
 from lightning_fsdp.loading.errors import CheckpointLoadError, described, quoted_names, unexpected_cause
+from lightning_fsdp.loading.files import CheckpointPath
 from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.materialize import init_record
 from lightning_fsdp.loading.optimizer import local_optimizer_state
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
-from lightning_fsdp.loading.remote import RemotePath
 from lightning_fsdp.loading.shard_local import (
     ModuleTargets,
     ShardLocalUnsupported,
@@ -214,13 +214,7 @@ def _load_file(
         opened.close()
 
 
-def _load_sharded(path: Path, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
-    if isinstance(path, RemotePath):
-        raise CheckpointLoadError(
-            f"{str(path)!r} is a sharded checkpoint in object storage, which lightning-fsdp does not read remotely yet"
-            " (its files and their pickles are read through torch's distributed checkpoint reader). Copy the directory"
-            " to a local or shared file system and load it from there."
-        )
+def _load_sharded(path: CheckpointPath, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
     if request.rename is not None:
         raise CheckpointLoadError(
             f"{str(path)!r} is a sharded checkpoint, whose tensors are read by their names in the model: `rename`"
@@ -420,7 +414,7 @@ def _warn_fallback(reason: str) -> None:
         return
     _warned_fallbacks.add(reason)
     rank_zero_warn(
-        f"lightning-fsdp cannot load this checkpoint shard-locally ({reason}); falling back to FSDP's full state-dict"
+        f"The checkpoint cannot be loaded shard-locally ({reason}); falling back to FSDP's full state-dict"
         " loading, which needs more memory (FSDP1 all-gathers every unit; FSDP2 broadcasts every tensor whole)."
     )
 

@@ -12,7 +12,7 @@ from typing import NamedTuple, Protocol, TextIO
 
 from tqdm import tqdm
 
-from lightning_fsdp.loading.remote import fetched_bytes
+from lightning_fsdp.loading.files import fetched_bytes
 
 #: Set to ``0`` to turn the bar off, or to ``1`` to show it even when the output is not a terminal.
 PROGRESS_ENV_VAR = "LIGHTNING_FSDP_PROGRESS"
@@ -37,7 +37,7 @@ class NodeSnapshot(NamedTuple):
     turn: tuple[int, int] | None
     """``(index, count)`` of the turn the node is in (0-based), ``None`` before the first turn."""
     fetched: int = 0
-    """The bytes the node's ranks fetched from object storage (:mod:`~lightning_fsdp.loading.remote`)."""
+    """The bytes the node's ranks fetched from object storage (:func:`~lightning_fsdp.loading.files.fetched_bytes`)."""
 
 
 class NodeChannel(Protocol):

@@ -1,9 +1,11 @@
 """Checkpoints in object storage (``s3://``, ``gs://``, ... through fsspec), read by byte ranges like local files.
 
 A :class:`RemotePath` stands where a local :class:`~pathlib.Path` stands in the loader, and a :class:`RemoteFile`
-where an open file descriptor stands: the readers of every format (:mod:`~lightning_fsdp.loading.files` dispatches)
-ask it for the same proven byte ranges they read from a local file, so each rank fetches only the structures that
-locate its slices and the slices themselves, never the whole object, and keeps no local copy.
+where an open file descriptor stands (they are the :class:`~lightning_fsdp.loading.files.StoragePath` and
+:class:`~lightning_fsdp.loading.files.StorageFile` of object storage): the readers of every format ask it for the same
+proven byte ranges they read from a local file, so each rank fetches only the structures that locate its slices and
+the slices themselves, never the whole object, and keeps no local copy. What it fetches is counted in
+:func:`~lightning_fsdp.loading.files.fetched_bytes`.
 
 A large range is fetched as chunks of :data:`CHUNK_BYTES` on a bounded pool of threads, written straight into the
 destination; small reads (zip headers, the pickles) are served from blocks of :data:`BLOCK_BYTES`, so adjacent small
@@ -29,9 +31,10 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line
+from lightning_fsdp.loading.files import StorageFile, StoragePath, count_fetched
 
 #: The size of the chunks a large range is fetched in, concurrently: large enough that a request's latency is small
 #: against its transfer, small enough that a rank's chunks spread over the pool.
@@ -53,12 +56,6 @@ _SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_
 #: Option names (parts of them) whose values are credentials, masked in every message.
 _SECRET_OPTION_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
 
-_T = TypeVar("_T")
-_fetched = [0]
-_fetched_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
 
 def is_remote(path: Any) -> bool:
     """Whether ``path`` is a URL of a file system other than the local one (``s3://``, ``gs://``, ``memory://``)."""
@@ -69,11 +66,6 @@ def is_remote(path: Any) -> bool:
     from fsspec.utils import get_protocol
 
     return get_protocol(path) not in ("file", "local")
-
-
-def fetched_bytes() -> int:
-    """The bytes this process has fetched from object storage so far (a counter for progress and benchmarks)."""
-    return _fetched[0]
 
 
 @dataclass(frozen=True)
@@ -88,7 +80,7 @@ class RemoteStat:
     st_dev: int = 0
 
 
-class RemotePath:
+class RemotePath(StoragePath):
     """An object (or a prefix) in object storage, with the part of :class:`~pathlib.Path` that the loader uses.
 
     Paths made from one another (``path / name``, ``path.parent``) share the store's connection and the sizes and
@@ -184,6 +176,9 @@ class RemotePath:
             file.close()
         return data.decode(encoding)
 
+    def open(self, what: str = "checkpoint file") -> "RemoteFile":
+        return RemoteFile(self, what)
+
     def stat(self, what: str = "checkpoint file") -> RemoteStat:
         """The object's size and fingerprint, pinned on the first call: later files opened on it must match.
 
@@ -266,7 +261,7 @@ class _Shared:
     blocks: dict[str, "OrderedDict[int, bytes]"] = field(default_factory=dict)
 
 
-class RemoteFile:
+class RemoteFile(StorageFile):
     """An object opened for positioned reads: what a file descriptor is to a local file.
 
     Its size and fingerprint are those pinned by the path's first :meth:`RemotePath.stat`.
@@ -312,8 +307,14 @@ class RemoteFile:
         if len(chunks) == 1:
             fetch_chunk(chunks[0])
             return
-        for future in [_shared_pool().submit(fetch_chunk, chunk) for chunk in chunks]:
-            future.result()
+        # A pool of this read's own: its threads end with it (none outlive the load), and after a failed chunk the
+        # others are cancelled or waited for, so that no thread writes into the buffer once this call has returned.
+        pool = ThreadPoolExecutor(min(MAX_CONCURRENT_REQUESTS, len(chunks)), thread_name_prefix="lightning-fsdp-fetch")
+        try:
+            for future in [pool.submit(fetch_chunk, chunk) for chunk in chunks]:
+                future.result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _read_small(self, offset: int, buffer: memoryview) -> None:
         position, end = offset, offset + len(buffer)
@@ -342,8 +343,7 @@ class RemoteFile:
         """Bytes ``[start, stop)`` of the object, retried with backoff; exactly that many or an error."""
         fs, fs_path = self.path.fs, self.path.fs_path
         data = _with_retries(lambda: fs.cat_file(fs_path, start=start, end=stop), self, stop - start)
-        with _fetched_lock:
-            _fetched[0] += len(data)
+        count_fetched(len(data))
         return data
 
     def stream(self) -> io.BufferedReader:
@@ -437,14 +437,6 @@ class _ByteBudget:
 
 
 _in_flight = _ByteBudget(MAX_IN_FLIGHT_BYTES)
-
-
-def _shared_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="lightning-fsdp-fetch")
-        return _pool
 
 
 def _stat_of(info: Mapping[str, Any]) -> RemoteStat:

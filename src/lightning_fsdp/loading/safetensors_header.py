@@ -77,7 +77,7 @@ def read_safetensors_locations(path: Path) -> dict[str, TensorLocation]:
     if tensors > MAX_TENSORS:
         raise _invalid(
             path,
-            f"its header describes {tensors} tensors, more than lightning-fsdp's limit of {MAX_TENSORS} (the largest"
+            f"its header describes {tensors} tensors, more than the limit of {MAX_TENSORS} (the largest"
             " models have a few hundred thousand in all)",
         )
     try:
@@ -114,7 +114,7 @@ def _entry(path: Path, name: str, value: Any) -> tuple[str, int, int, TensorSpec
         raise _invalid(path, f"the entry of {name!r} is not {{dtype, shape, data_offsets}}")
     dtype = _DTYPES.get(value["dtype"]) if type(value["dtype"]) is str else None
     if dtype is None:
-        raise _invalid(path, f"the tensor {name!r} has dtype {value['dtype']!r}, which lightning-fsdp does not read")
+        raise _invalid(path, f"the tensor {name!r} has dtype {value['dtype']!r}, which the loader does not read")
     shape, offsets = value["shape"], value["data_offsets"]
     if type(shape) is not list or not _all_counts(shape):
         raise _invalid(path, f"the tensor {name!r} has an invalid shape {shape!r}")

@@ -9,6 +9,9 @@ upstream lacks:
   every storage mapped to the CPU.
 - Every file is a regular file that holds every byte the metadata places in it, checked before anything is opened, so
   a FIFO or a truncated shard gives an error instead of a hang or a half-read model.
+- A checkpoint in object storage (a :class:`~lightning_fsdp.loading.files.StoragePath`) is read the same way, through
+  the same checks: each rank fetches exactly the byte ranges of its own entries (as DCP's planner gives them) by range
+  requests, never a whole shard file and with no local copy, and an object replaced during the load is an error.
 - The checkpoint's entries (tensor or not, global shape, dtype) are compared with the model's sharded state dict and
   the optimizers' before anything is read, and everything is read before anything is written: a failed load leaves
   the model and the optimizers as they were.
@@ -32,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -51,6 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_fsdp.loading.errors import (
     CheckpointLoadError,
@@ -59,7 +63,7 @@ from lightning_fsdp.loading.errors import (
     shown_items,
     unexpected_cause,
 )
-from lightning_fsdp.loading.files import require_regular_file
+from lightning_fsdp.loading.files import CheckpointPath, StorageFile, StoragePath, lexists, require_regular_file
 from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
@@ -88,7 +92,7 @@ _METADATA_CLASSES: tuple[Any, ...] = (
 
 
 def check_sharded_request(
-    path: Path,
+    path: CheckpointPath,
     module_key: str,
     optimizer_keys: Sequence[str],
     metadata_keys: Iterable[str],
@@ -130,19 +134,19 @@ def check_sharded_request(
     return metadata, stored
 
 
-def read_checked_metadata(path: Path, weights_only: bool) -> Metadata:
+def read_checked_metadata(path: CheckpointPath, weights_only: bool) -> Metadata:
     """:func:`read_dcp_metadata`, then :func:`check_storage_files`: what a load reads once and uses throughout."""
     metadata = read_dcp_metadata(path, weights_only)
     check_storage_files(path, metadata)
     return metadata
 
 
-def stored_entries(path: Path, weights_only: bool = True) -> set[str]:
+def stored_entries(path: CheckpointPath, weights_only: bool = True) -> set[str]:
     """The top-level keys whose tensors a sharded checkpoint holds (``model``, ``optimizer``, ...)."""
     return _top_level_keys(read_dcp_metadata(path, weights_only))
 
 
-def read_dcp_metadata(path: Path, weights_only: bool = True) -> Metadata:
+def read_dcp_metadata(path: CheckpointPath, weights_only: bool = True) -> Metadata:
     """Read and check the ``.metadata`` file of a sharded checkpoint, without running code from it.
 
     Use this instead of ``FileSystemReader(path).read_metadata()``, which unpickles the file with plain :mod:`pickle`.
@@ -158,7 +162,7 @@ def read_dcp_metadata(path: Path, weights_only: bool = True) -> Metadata:
 
     """
     file = path / DCP_METADATA_FILENAME
-    if not os.path.lexists(file):
+    if not lexists(file):
         raise CheckpointLoadError(
             f"The sharded checkpoint {str(path)!r} has no `{DCP_METADATA_FILENAME}` file: the save was interrupted"
             " or the directory was copied in part."
@@ -189,7 +193,7 @@ def read_dcp_metadata(path: Path, weights_only: bool = True) -> Metadata:
     return metadata
 
 
-def check_storage_files(path: Path, metadata: Metadata) -> None:
+def check_storage_files(path: CheckpointPath, metadata: Metadata) -> None:
     """Check that every file the metadata refers to is a regular file that holds every byte placed in it.
 
     Raises:
@@ -211,7 +215,7 @@ def check_storage_files(path: Path, metadata: Metadata) -> None:
 
 
 def load_sharded_checkpoint(
-    path: Path,
+    path: CheckpointPath,
     module: Module,
     module_key: str,
     optimizers: Mapping[str, Optimizer],
@@ -287,7 +291,7 @@ def _model_state_to_read_into(module: Module, dtensors: bool) -> dict[str, Any]:
 
 
 def _read_flat_optimizer_state(
-    path: Path,
+    path: CheckpointPath,
     module: Module,
     model_state: Mapping[str, Any],
     key: str,
@@ -318,7 +322,7 @@ def _read_flat_optimizer_state(
 
 
 def _read_dtensor_optimizer_state(
-    path: Path,
+    path: CheckpointPath,
     module: Module,
     model_state: Mapping[str, Any],
     key: str,
@@ -378,7 +382,7 @@ def _group_sizes(saved: list[int], expected: list[int]) -> str:
     )
 
 
-def _other_parameters(path: Path, key: str, differences: str) -> CheckpointLoadError:
+def _other_parameters(path: CheckpointPath, key: str, differences: str) -> CheckpointLoadError:
     return CheckpointLoadError(
         f"The optimizer state {key!r} of the sharded checkpoint {str(path)!r} belongs to other parameters:"
         f" {differences}. Nothing was loaded. Pass the optimizer that was saved with this model, with the same"
@@ -386,20 +390,20 @@ def _other_parameters(path: Path, key: str, differences: str) -> CheckpointLoadE
     )
 
 
-def read_sharded_metadata(path: Path, weights_only: bool) -> dict[str, Any]:
+def read_sharded_metadata(path: CheckpointPath, weights_only: bool) -> dict[str, Any]:
     """Read the user's metadata of a sharded checkpoint onto the CPU (an empty dict where there is none)."""
     metadata_path = path / FABRIC_METADATA_FILENAME
-    if not os.path.lexists(metadata_path):
+    if not lexists(metadata_path):
         return {}
-    require_regular_file(metadata_path, "metadata file of the sharded checkpoint")
-    try:
-        metadata = torch.load(metadata_path, map_location="cpu", weights_only=weights_only)
-    except Exception as error:
-        fix = " If you trust the file, load it with `weights_only=False`." if weights_only else ""
-        raise CheckpointLoadError(
-            f"The metadata file {str(metadata_path)!r} of the sharded checkpoint could not be read:"
-            f" {first_line(error)}.{fix}"
-        ) from None
+    with _open_regular_file(metadata_path, "metadata file of the sharded checkpoint") as stream:
+        try:
+            metadata = torch.load(stream, map_location="cpu", weights_only=weights_only)
+        except Exception as error:
+            fix = " If you trust the file, load it with `weights_only=False`." if weights_only else ""
+            raise CheckpointLoadError(
+                f"The metadata file {str(metadata_path)!r} of the sharded checkpoint could not be read:"
+                f" {first_line(error)}.{fix}"
+            ) from None
     if not isinstance(metadata, dict):
         raise CheckpointLoadError(f"The metadata file {str(metadata_path)!r} holds a {type(metadata).__name__}.")
     return metadata
@@ -409,18 +413,21 @@ class CheckedFileSystemReader(FileSystemReader):
     """A DCP reader for a checkpoint whose metadata was read by :func:`read_dcp_metadata`.
 
     It serves that metadata instead of unpickling ``.metadata`` again, opens only regular files, and with
-    ``weights_only=True`` unpickles the non-tensor entries with ``torch.load(weights_only=True)``.
+    ``weights_only=True`` unpickles the non-tensor entries with ``torch.load(weights_only=True)``. From object storage,
+    it fetches exactly the byte range of each entry that the plan asks for, and checks at the end of each file that
+    the object is still the one it pinned (its size and ETag).
 
     Args:
-        path: The checkpoint directory.
+        path: The checkpoint directory (a local directory, or a prefix in object storage).
         metadata: What :func:`read_dcp_metadata` returned for it (check the files with :func:`check_storage_files`).
         weights_only: Whether the non-tensor entries may hold only tensors and plain containers.
 
     """
 
-    def __init__(self, path: Path, metadata: Metadata, weights_only: bool = True) -> None:
-        super().__init__(path)
+    def __init__(self, path: CheckpointPath, metadata: Metadata, weights_only: bool = True) -> None:
+        super().__init__(str(path))
         self.fs = _RegularFileSystem()
+        self.path = self.fs.init_path(path)  # DCP's own file system made a local `Path` of it, even of a URL
         self._metadata = metadata
         self._weights_only = weights_only
 
@@ -432,8 +439,30 @@ class CheckedFileSystemReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._weights_only:
-            planner = _WeightsOnlyBytes(planner, Path(self.path))  # type: ignore[assignment]
+            planner = _WeightsOnlyBytes(planner, self.path)  # type: ignore[assignment]
         return super().read_data(plan, planner)
+
+    @override
+    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
+        if isinstance(file, StorageFile):
+            return _fetch_entry(file, sinfo)
+        return super()._slice_file(file, sinfo)
+
+
+def _fetch_entry(file: StorageFile, info: _StorageInfo) -> IO[bytes]:
+    """The bytes of one entry of a remote shard file, exactly its range, as the stream DCP reads the entry from.
+
+    They are fetched straight into the stream's own buffer: one copy of the entry in memory, not two.
+
+    """
+    stream = io.BytesIO()
+    if info.length:
+        stream.seek(info.length - 1)
+        stream.write(b"\0")  # sizes the buffer once
+        stream.seek(0)
+        with stream.getbuffer() as buffer:
+            file.read_into(info.offset, buffer, f"the entry at offset {info.offset}", cached=False)
+    return stream
 
 
 class _WeightsOnlyBytes:
@@ -442,7 +471,7 @@ class _WeightsOnlyBytes:
     The planner unpickles what it gets with ``weights_only=False``: it gets the checked object pickled anew.
     """
 
-    def __init__(self, planner: LoadPlanner, path: Path) -> None:
+    def __init__(self, planner: LoadPlanner, path: CheckpointPath) -> None:
         self._planner = planner
         self._path = path
 
@@ -478,13 +507,33 @@ class _WeightsOnlyBytes:
 
 
 class _RegularFileSystem(FileSystem):
-    """DCP's file system, except that it opens nothing but regular files (a FIFO swapped in after the check)."""
+    """DCP's file system, except that it opens nothing but regular files (a FIFO swapped in after the check).
 
+    A path in object storage is opened as a :class:`~lightning_fsdp.loading.files.StorageFile`, which
+    :meth:`CheckedFileSystemReader._slice_file` reads the entries' ranges from; once they are read, the object must
+    still be the one pinned when the files were checked.
+
+    """
+
+    @override
+    def init_path(self, path: str | os.PathLike | StoragePath) -> Any:
+        return path if isinstance(path, StoragePath) else super().init_path(path)
+
+    @override
+    def concat_path(self, path: str | os.PathLike | StoragePath, suffix: str) -> Any:
+        return path / suffix if isinstance(path, StoragePath) else super().concat_path(path, suffix)
+
+    @override
     @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[IO[bytes]]:
+    def create_stream(self, path: str | os.PathLike | StoragePath, mode: str) -> Iterator[Any]:
         if mode != "rb":
             raise ValueError(f"A sharded checkpoint is opened for reading only, got mode {mode!r}.")
-        with _open_regular_file(Path(path), "shard file of the sharded checkpoint") as stream:
+        what = "shard file of the sharded checkpoint"
+        if isinstance(path, StoragePath):
+            with _storage_file(path, what) as file:
+                yield file
+            return
+        with _open_regular_file(Path(path), what) as stream:
             yield stream
 
 
@@ -521,8 +570,17 @@ _ALLOWED: dict[tuple[str, str], Any] = {}
 
 
 @contextmanager
-def _open_regular_file(path: Path, what: str) -> Iterator[IO[bytes]]:
-    """Open ``path`` for reading without blocking on a FIFO, and only if it is a regular file."""
+def _open_regular_file(path: CheckpointPath, what: str) -> Iterator[IO[bytes]]:
+    """Open ``path`` for reading without blocking on a FIFO, and only if it is a regular file.
+
+    An object in object storage is read by range requests, and must be unchanged once it was read
+    (see :func:`_storage_file`).
+
+    """
+    if isinstance(path, StoragePath):
+        with _storage_file(path, what) as file, file.stream() as stream:
+            yield cast(IO[bytes], stream)
+        return
     require_regular_file(path, what)
     try:
         descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -535,6 +593,18 @@ def _open_regular_file(path: Path, what: str) -> Iterator[IO[bytes]]:
         if hasattr(os, "set_blocking"):
             os.set_blocking(descriptor, True)
         yield stream
+
+
+@contextmanager
+def _storage_file(path: StoragePath, what: str) -> Iterator[StorageFile]:
+    """Open an object for range requests; once it was read (or its reading failed), it must be the object pinned."""
+    file = path.open(what)
+    try:
+        yield file
+    except Exception:
+        file.check_unchanged()  # an object replaced during the load says so, not what its new bytes broke
+        raise
+    file.check_unchanged()
 
 
 def _metadata_problems(metadata: Any) -> list[str]:

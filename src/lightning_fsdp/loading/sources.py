@@ -26,12 +26,13 @@ from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.files import (
     CheckpointPath,
     OpenFile,
+    StorageFile,
+    StoragePath,
     close_file,
     open_file,
     read_exactly,
     require_regular_file,
 )
-from lightning_fsdp.loading.remote import RemoteFile, RemotePath
 
 #: Reads at least this large get an anonymous mapping of their own (see :meth:`ByteRangeSource.read_flat`).
 _OWN_MAPPING_BYTES = 2**20
@@ -142,7 +143,7 @@ class ByteRangeSource(TensorSource):
     def _open(self, path: CheckpointPath) -> tuple[OpenFile, Any]:
         if path not in self._files:
             info = require_regular_file(path)
-            if isinstance(path, RemotePath):
+            if isinstance(path, StoragePath):
                 self._files[path] = (open_file(path), info)
                 return self._files[path]
             # O_NONBLOCK: should the path have become a FIFO since the check, opening it must not block.
@@ -208,14 +209,14 @@ class ByteRangeSource(TensorSource):
         """Fill ``destination`` with the elements of ``name``'s storage from element ``first`` on."""
         file, _ = self._open(location.file)
         offset = location.storage_offset + first * location.spec.dtype.itemsize
-        if isinstance(file, RemoteFile):  # exactly the slice's bytes, not the blocks that hold them
+        if isinstance(file, StorageFile):  # exactly the slice's bytes, not the blocks that hold them
             file.read_into(offset, destination, f"the tensor {name!r}", cached=False)
             return
         read_exactly(file, offset, destination, location.file, f"the tensor {name!r}")
 
     def check_unchanged(self) -> None:
         for path, (file, opened) in self._files.items():
-            if isinstance(file, RemoteFile):
+            if isinstance(file, StorageFile):
                 file.check_unchanged()
                 continue
             now = os.fstat(file)

@@ -56,7 +56,7 @@ class TorchFileStructure:
             if storage is None or tensor.layout is not torch.strided:
                 raise CheckpointLoadError(
                     f"The tensor {name!r} in {str(self.path)!r} is not a plain dense tensor backed by the file's"
-                    " storages (sparse, quantized or rebuilt from other objects), which lightning-fsdp does not load."
+                    " storages (sparse, quantized or rebuilt from other objects), which the loader does not load."
                     " Save a state dict of dense tensors."
                 )
             spec = TensorSpec(tuple(tensor.shape), tensor.dtype)
@@ -95,7 +95,7 @@ def read_zip_structure(path: Path, weights_only: bool, verify_crc: bool = False)
         byteorder = records.get(f"{prefix}byteorder")
         if byteorder is not None and read_record(path, file, byteorder) != b"little":
             raise CheckpointLoadError(
-                f"The file {str(path)!r} was saved on a big-endian machine, which lightning-fsdp does not read. Load it"
+                f"The file {str(path)!r} was saved on a big-endian machine, which the loader does not read. Load it"
                 " with `torch.load` and save it again on this machine."
             )
         data = read_record(path, file, records[pickles[0]])

@@ -203,7 +203,7 @@ def plan_load(
         )
     if plan.aligned:
         rank_zero_info(
-            f"lightning-fsdp: the checkpoint's names match the model's once {_describe(plan.aligned)}; loading them so"
+            f"The checkpoint's names match the model's once {_describe(plan.aligned)}; loading them so"
             f" (as with `rename={plan.aligned!r}`; pass `rename={{}}` to turn this off)."
         )
     return plan

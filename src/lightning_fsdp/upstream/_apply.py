@@ -31,9 +31,13 @@ from lightning_fsdp.upstream._pinned import PINNED_MASTER_COMMIT, PINNED_MASTER_
 from lightning_fsdp.upstream._rewrite import (
     NameMap,
     drop_package_only,
+    drop_package_only_blocks,
     module_is_package_only,
+    package_mentions,
     rewrite_prose,
     rewrite_python,
+    rst_references,
+    rst_targets,
 )
 from lightning_fsdp.upstream._source import Edit, Source, UpstreamError, apply_edits, docstring_node, indentation
 
@@ -78,6 +82,13 @@ CHANGELOG_ENTRIES = {
         "Added shard-local loading of full and raw checkpoints to `ModelParallelStrategy.load_checkpoint` (FSDP2,"
         " HSDP, tensor parallelism and FSDP x tensor parallelism): each rank copies its own slices into its `DTensor`"
         " shards, with no broadcast",
+    ],
+    "Changed": [
+        "Changed `FSDPStrategy.load_checkpoint` and `ModelParallelStrategy.load_checkpoint` to read a checkpoint file"
+        " in remote storage (an fsspec URL) by byte ranges, each rank fetching only its own slices, instead of whole on"
+        " every rank, with `weights_only=True` unless `weights_only=False` is passed;"
+        " `load_options(storage_options=...)` passes the file system's options, and a remote sharded checkpoint is"
+        " read by the same validated reader as a local one",
     ],
     "Fixed": [
         "Fixed `FSDPStrategy` and `ModelParallelStrategy` putting tensors of every rank on `cuda:0` when the cluster"
@@ -238,6 +249,10 @@ def plan(tree: Path, restrict: Restriction = _everything) -> Plan:
     _carry_tests(root, names, result, restrict)
     _carry_docs(root, names, result, restrict)
     result.notes.extend(f"not carried: src/lightning_fsdp/{name}: {why}" for name, why in _not_carried(ours).items())
+    for change in result.changes:
+        mentions = package_mentions(change.new)
+        if mentions:
+            result.notes.append(f"{change.path}: names the package on lines {', '.join(map(str, mentions))}")
     return result
 
 
@@ -582,10 +597,9 @@ def _carry_tests(root: Path, names: NameMap, result: Plan, restrict: Restriction
         relative = file.relative_to(ours).as_posix()
         destination = f"{TESTS_DIR}/{relative}"
         if file.suffix != ".py":
-            if restrict(f"tests/tests_fabric/{relative}", file.read_text()) is not None:
-                result.changes.append(
-                    Change(destination, _read_optional(root / destination), file.read_text(), relative)
-                )
+            kept = restrict(f"tests/tests_fabric/{relative}", file.read_text())
+            if kept is not None:
+                result.changes.append(Change(destination, _read_optional(root / destination), kept, relative))
             continue
         text = file.read_text()
         if module_is_package_only(text):
@@ -617,8 +631,10 @@ def _carry_docs(root: Path, names: NameMap, result: Plan, restrict: Restriction 
             result.notes.append(f"not carried: docs/source-fabric/examples/{example.name} (package-only)")
             continue
         destination = f"{EXAMPLES_DIR}/{example.name}"
-        if restrict(f"docs/source-fabric/examples/{example.name}", text) is None:
+        kept = restrict(f"docs/source-fabric/examples/{example.name}", text)
+        if kept is None:
             continue
+        text = kept
         try:
             rewritten = rewrite_python(text, names, f"docs/source-fabric/examples/{example.name}")
         except UpstreamError as error:
@@ -626,18 +642,38 @@ def _carry_docs(root: Path, names: NameMap, result: Plan, restrict: Restriction 
             continue
         carried_examples[example.resolve()] = destination
         result.changes.append(Change(destination, _read_optional(root / destination), rewritten.text, example.name))
-    for page in sorted((docs / "guide").glob("*.rst")):
+    pages = {
+        page: drop_package_only_blocks(page.read_text(), _ours_path(page)) for page in sorted(docs.glob("guide/*.rst"))
+    }
+    _check_package_only_references(pages)
+    for page in pages:
         destination = f"{GUIDE_DIR}/{page.name}"
         where = f"docs/source-fabric/guide/{page.name}"
-        if restrict(where, page.read_text()) is None:
+        restricted = restrict(where, page.read_text())
+        if restricted is None:
             continue
-        rewritten = rewrite_prose(page.read_text(), names, where)
+        kept, _ = drop_package_only_blocks(restricted, _ours_path(page))
+        rewritten = rewrite_prose(kept, names, where)
         text = _relink_includes(rewritten.text, page, destination, carried_examples, result, where)
         result.notes.extend(rewritten.notes)
-        mentions = [str(number) for number, line in enumerate(text.splitlines(), 1) if "lightning-fsdp" in line]
-        if mentions:
-            result.notes.append(f"{where}: the `lightning-fsdp` package or command on lines {', '.join(mentions)}")
         result.changes.append(Change(destination, _read_optional(root / destination), text, where))
+
+
+def _check_package_only_references(pages: dict[Path, tuple[str, set[str]]]) -> None:
+    """Refuse a guide whose carried text refers to a label or a section that only the package's docs have."""
+    kept_targets = set().union(*(rst_targets(kept) for kept, _ in pages.values()))
+    package_only = set().union(*(dropped for _, dropped in pages.values())) - kept_targets
+    broken = [
+        f"{_ours_path(page)}: `{target}`"
+        for page, (kept, _) in pages.items()
+        for target in sorted(rst_references(kept) & package_only)
+    ]
+    if broken:
+        raise UpstreamError(
+            "the guide refers, outside its package-only blocks, to sections inside them, which upstream's guide would"
+            " not have:\n" + "\n".join(f"  - {reference}" for reference in broken) + "\nMove the reference into the"
+            " block, or the section out of it."
+        )
 
 
 def _relink_includes(

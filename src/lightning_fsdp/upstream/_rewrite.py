@@ -11,11 +11,13 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Rewriting this project's dotted names (``lightning_fsdp...``, ``tests.tests_fabric...``) into upstream's.
+"""Rewriting this project's names (``lightning_fsdp...``, ``tests.tests_fabric...``) into upstream's.
 
 Imports are rewritten statement by statement from the syntax tree, references in code token by token, and names in
 strings, comments and reStructuredText by a pattern. A reference in code that has no upstream destination is an error;
-one in prose is reported, for the maintainer to edit.
+one in prose is reported, for the maintainer to edit. The names that the package keeps for itself (an environment
+variable, store keys, thread names, its copyright line) become upstream's by :data:`UPSTREAM_NAMES`, and the parts of
+the guide that describe the package itself are left out (:func:`drop_package_only_blocks`).
 """
 
 import ast
@@ -26,10 +28,36 @@ from dataclasses import dataclass, field
 from lightning_fsdp.upstream._source import Edit, Source, UpstreamError, apply_edits, indentation
 
 _ROOTS = ("lightning_fsdp", "tests.tests_fabric")
-_PATTERN = re.compile(r"(?<![\w.])(?:lightning_fsdp|tests\.tests_fabric)(?:\.\w+)*")
+_PATTERN = re.compile(r"(?<![\w.])(?:lightning_fsdp|tests\.tests_fabric)(?:\.\w+)*(?!\w)")
 _PACKAGE_ONLY = "package_only"
 #: A comment that marks a file which is not a test module (a script) as meaningful only for the package.
 PACKAGE_ONLY_COMMENT = "# lightning-fsdp: package-only"
+#: The lines of a guide page between these two comments describe the package itself (installing it, ``enable()``, its
+#: command): the command leaves them out.
+PACKAGE_ONLY_START = ".. package-only"
+PACKAGE_ONLY_END = ".. end package-only"
+#: The names that the package keeps for itself where upstream has a convention of its own, with upstream's spelling:
+#: its copyright line, its environment variables (Lightning's are ``PL_*``: ``PL_GLOBAL_SEED``,
+#: ``PL_DEEPSPEED_CONFIG_PATH``), the namespace of the loader's keys in the process group's store, and its threads'
+#: names. They are rewritten wherever the command carries them: strings, comments, docstrings and the guide.
+UPSTREAM_NAMES = {
+    "Copyright The lightning-fsdp developers.": "Copyright The Lightning AI team.",
+    "LIGHTNING_FSDP_PROGRESS": "PL_CHECKPOINT_LOADING_PROGRESS",
+    "LIGHTNING_FSDP_FUZZ_SEED": "PL_CHECKPOINT_LOADING_FUZZ_SEED",
+    "lightning_fsdp/agreement": "lightning/checkpoint_loading/agreement",
+    "lightning_fsdp-heartbeat": "lightning-checkpoint-loading-heartbeat",
+    "lightning-fsdp-fetch": "lightning-checkpoint-loading-fetch",
+}
+_UPSTREAM_NAME = re.compile("|".join(rf"(?<![\w-]){re.escape(ours)}(?![\w-])" for ours in UPSTREAM_NAMES))
+#: The package's name, which nothing that the command writes should contain.
+PACKAGE_NAME = re.compile(r"lightning[_-]fsdp", re.IGNORECASE)
+_RST_LABEL = re.compile(r"^\.\. _([^:`]+):\s*$")
+_RST_ADORNMENT = re.compile(r"^([=*~^#+\-])\1+\s*$")
+_RST_REFERENCES = (
+    re.compile(r":ref:`(?:[^`<]*<)?([^`<>]+)>?`"),  # :ref:`label` and :ref:`text <label>`
+    re.compile(r"`[^`<]*<([^`<>]+)_>`_"),  # `text <label_>`_
+    re.compile(r"(?<![:`])`([^`<]+)`_(?!_)"),  # `Section title`_
+)
 
 
 @dataclass
@@ -89,7 +117,63 @@ def rewrite_prose(text: str, names: NameMap, where: str) -> Rewritten:
             return match.group(0)
         return mapped
 
-    return Rewritten(_PATTERN.sub(replace, text), notes)
+    renamed = _UPSTREAM_NAME.sub(lambda match: UPSTREAM_NAMES[match.group(0)], text)
+    return Rewritten(_PATTERN.sub(replace, renamed), notes)
+
+
+def package_mentions(text: str) -> list[int]:
+    """The numbers of the lines of ``text`` that name the package."""
+    return [number for number, line in enumerate(text.splitlines(), 1) if PACKAGE_NAME.search(line)]
+
+
+def drop_package_only_blocks(text: str, where: str) -> tuple[str, set[str]]:
+    """A guide page without its package-only blocks, and the targets (labels, section titles) that they held.
+
+    The blank lines after a block go with it, so that the page keeps the spacing that came before the block.
+
+    """
+    kept: list[str] = []
+    dropped: list[str] = []
+    start: int | None = None
+    after_block = False
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        marker = line.strip()
+        if marker == PACKAGE_ONLY_START:
+            if start is not None:
+                raise UpstreamError(f"{where}:{number}: `{marker}` inside the package-only block of line {start}.")
+            start = number
+        elif marker == PACKAGE_ONLY_END:
+            if start is None:
+                raise UpstreamError(f"{where}:{number}: `{marker}` without a `{PACKAGE_ONLY_START}` before it.")
+            start, after_block = None, True
+        elif start is not None:
+            dropped.append(line)
+        elif not (after_block and not marker):
+            after_block = False
+            kept.append(line)
+    if start is not None:
+        raise UpstreamError(f"{where}:{start}: `{PACKAGE_ONLY_START}` is not closed by `{PACKAGE_ONLY_END}`.")
+    return "".join(kept), rst_targets("".join(dropped))
+
+
+def rst_targets(text: str) -> set[str]:
+    """The explicit labels and the section titles of a reStructuredText text, normalised as references name them."""
+    lines = text.splitlines()
+    targets = {_normalized_target(match.group(1)) for line in lines if (match := _RST_LABEL.match(line))}
+    for index, line in enumerate(lines[:-1]):
+        underline = lines[index + 1].rstrip()
+        if line.strip() and _RST_ADORNMENT.match(underline) and len(underline) >= len(line.rstrip()):
+            targets.add(_normalized_target(line))
+    return targets
+
+
+def rst_references(text: str) -> set[str]:
+    """The labels and section titles that a reStructuredText text refers to, normalised."""
+    return {_normalized_target(match.group(1)) for pattern in _RST_REFERENCES for match in pattern.finditer(text)}
+
+
+def _normalized_target(name: str) -> str:
+    return " ".join(name.split()).lower()
 
 
 def is_package_only(node: ast.stmt) -> bool:

@@ -4,7 +4,7 @@ Each mutated file goes through `fabric.load` (a 1-rank FSDP model), `describe_ch
 `convert_checkpoint` (whose output is loaded too). Each must raise `CheckpointLoadError` or load exactly the original
 values: any other exception, other values, a hang or a crash fails. All failures are reported at once, grouped by
 format, kind of mutation and entry point, each with the directory of its mutated checkpoint (kept under pytest's
-temporary directory: ``lightning-fsdp inspect <dir>/ckpt/...`` reproduces it). The jobs run in a child process whose
+temporary directory: ``describe_checkpoint`` of ``<dir>/ckpt/...`` reproduces it). The jobs run in a child process whose
 address space is limited to 3 GiB above its start: a ``MemoryError`` means that a 30 KB file made a reader allocate
 gigabytes. ``LIGHTNING_FSDP_FUZZ_SEED`` draws another set of mutations.
 """

@@ -1,15 +1,25 @@
 """The remote reader on fsspec's in-memory file system (no server): what the readers rely on beyond ranged reads."""
 
 import os
+import pickle
 import threading
 import time
 
 import fsspec
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from lightning_fsdp import CheckpointLoadError
 from lightning_fsdp.loading import remote
+from lightning_fsdp.loading.files import fetched_bytes
 from lightning_fsdp.loading.remote import RemoteFile, remote_path
+from lightning_fsdp.loading.sharded import CheckedFileSystemReader, read_checked_metadata, read_dcp_metadata
+from tests.tests_fabric.helpers.hostile_dcp import MarkerPayload
+
+# The sharded checkpoints here are saved and read by one process, without a process group, as DCP allows.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 
 
 @pytest.fixture
@@ -39,6 +49,48 @@ def test_object_changed_after_it_was_opened(object_url):
     fsspec.filesystem("memory").pipe("/remote-tests/object.bin", bytes(range(9)))
     with pytest.raises(CheckpointLoadError, match="was changed while it was being loaded"):
         path.check_unchanged()
+
+
+@pytest.fixture
+def sharded_url(tmp_path):
+    """A distributed checkpoint (one process) with two tensors and a non-tensor entry, in fsspec's memory store."""
+    state = {"big": torch.randn(256, 128), "small": torch.randn(8), "extra": {"lr": 0.5}}
+    dcp.save(state, checkpoint_id=tmp_path)
+    fs = fsspec.filesystem("memory")
+    for file in tmp_path.iterdir():
+        fs.pipe(f"/remote-tests/sharded/{file.name}", file.read_bytes())
+    yield "memory://remote-tests/sharded", state
+    fs.rm("/remote-tests", recursive=True)
+
+
+def test_sharded_entries_are_fetched_exactly(sharded_url, monkeypatch):
+    """The validated reader fetches exactly the byte ranges of the entries the plan asks for, and nothing else (a large
+    entry in concurrent chunks, each written into its place in the one buffer)."""
+    monkeypatch.setattr(remote, "CHUNK_BYTES", 4096)  # the entry of the 128 KiB tensor comes in 33 chunks
+    url, saved = sharded_url
+    path = remote_path(url)
+    metadata = read_checked_metadata(path, weights_only=True)
+    target = {"big": torch.zeros(256, 128), "extra": {"lr": 0.0}}
+    before = fetched_bytes()
+    dcp.load(
+        target,
+        storage_reader=CheckedFileSystemReader(path, metadata),
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+    )
+    lengths = {index.fqn: info.length for index, info in metadata.storage_data.items()}
+    assert fetched_bytes() - before == lengths["big"] + lengths["extra.lr"]
+    assert torch.equal(target["big"], saved["big"])
+    assert target["extra"]["lr"] == 0.5
+
+
+def test_sharded_metadata_payload_is_refused(sharded_url, tmp_path):
+    url, _ = sharded_url
+    metadata = read_dcp_metadata(remote_path(url))
+    metadata.version = MarkerPayload(tmp_path / "marker")
+    fsspec.filesystem("memory").pipe("/remote-tests/sharded/.metadata", pickle.dumps(metadata))
+    with pytest.raises(CheckpointLoadError, match=r"Refused to unpickle `io\.open` .* \(the payload was not run\)"):
+        read_dcp_metadata(remote_path(url))
+    assert not (tmp_path / "marker").exists()
 
 
 def test_large_ranges_are_fetched_concurrently_with_bounded_bytes_in_flight(monkeypatch):
