@@ -26,10 +26,9 @@ from lightning_fsdp.loading import remote
 from lightning_fsdp.loading.files import fetched_bytes
 from lightning_fsdp.loading.progress import PROGRESS_ENV_VAR
 from lightning_fsdp.loading.sources import materialize
-from tests.tests_fabric.helpers.checkpoints import FORMATS, write_checkpoint
+from tests.tests_fabric.helpers.checkpoints import FORMATS, MarkerPayload, write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.hostile_dcp import (
-    MarkerPayload,
     copy_checkpoint,
     read_metadata,
     truncate_shard,
