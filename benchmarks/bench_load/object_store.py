@@ -2,9 +2,9 @@
 
 The server runs moto's own WSGI application behind a counting layer: for every request it counts, per node, the
 requests and the bytes of the response bodies of ``GET`` requests (what the node fetched), and it keeps the peak
-memory of the server process. A node is known by the ``app/bench-node-N`` that botocore appends to the User-Agent of
-every request when ``AWS_SDK_UA_APP_ID`` is set in the rank's environment (the runner sets it), so the count covers
-every client, this project's and Lightning's alike.
+memory and the CPU time of the server process. A node is known by the ``app/bench-node-N`` that botocore appends to
+the User-Agent of every request when ``AWS_SDK_UA_APP_ID`` is set in the rank's environment (the runner sets it), so
+the count covers every client, this project's and Lightning's alike.
 
 ``--s3-server ranged`` adds a **benchmark-only shim** to that server (never used by the tests): moto 5 answers a
 ranged ``GET`` by reading the whole object out of its buffer and then slicing it (``FakeKey.value``), so the time of
@@ -81,7 +81,8 @@ class ObjectStore:
         _control(self.endpoint, reset=True)
 
     def counters(self) -> dict[str, Any]:
-        """``{"nodes": {node: {"get_bytes", "requests"}}, "peak_rss": bytes}`` since the last :meth:`reset`."""
+        """``{"nodes": {node: {"get_bytes", "requests"}}, "peak_rss": bytes, "cpu_seconds": s}`` since the last
+        :meth:`reset`."""
         return _control(self.endpoint, reset=False)
 
     def stop(self) -> None:
@@ -162,12 +163,14 @@ def serve(argument: str) -> None:
 
 
 class _Counting:
-    """WSGI middleware: requests and ``GET`` body bytes per node (from the User-Agent), and the process's peak RSS."""
+    """WSGI middleware: requests and ``GET`` body bytes per node (from the User-Agent), the process's peak RSS and CPU
+    time."""
 
     def __init__(self, app: Any) -> None:
         self._app = app
         self._lock = threading.Lock()
         self._nodes: dict[str, dict[str, int]] = {}
+        self._cpu = _cpu_seconds()
 
     def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
         if environ.get("PATH_INFO") == _COUNTERS:
@@ -196,14 +199,21 @@ class _Counting:
 
     def _control(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
         with self._lock:
-            answer = {"nodes": self._nodes, "peak_rss": _peak_rss()}
+            answer = {"nodes": self._nodes, "peak_rss": _peak_rss(), "cpu_seconds": _cpu_seconds() - self._cpu}
             if environ.get("REQUEST_METHOD") == "POST":
                 self._nodes = {}
+                self._cpu = _cpu_seconds()
                 with open("/proc/self/clear_refs", "w") as file:  # the peak starts again from the current RSS
                     file.write("5")
         data = json.dumps(answer).encode()
         start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
         return [data]
+
+
+def _cpu_seconds() -> float:
+    """The CPU time this process has used (user and system, all its threads)."""
+    times = os.times()
+    return times.user + times.system
 
 
 def _peak_rss() -> int:

@@ -300,7 +300,7 @@ def _remote_rows(
             f" | {_ratio(r['load_seconds'], local['load_seconds']) if local else 'n/a'}"
             f" | {_signed(r['anon_above_base'])} | {_signed(local['anon_above_base']) if local else 'n/a'}"
             f" | {_gb(served)} ({served / size:.3f}x) | {max(r['requests_per_node'])} | {client}"
-            f" | {_gb(r['server_peak_rss'])} |"
+            f" | {_gb(r['server_peak_rss'])} | {r['server_cpu_seconds']:.1f} s |"
         )
         if case.implementation == "master-s3" or local is None:
             continue
@@ -321,12 +321,14 @@ def _remote_rows(
         "Loads from the S3 server (moto on 127.0.0.1, in a process of its own) against lightning-fsdp's load of the"
         " same local file, the row `lightning-fsdp` above (`local`). Fetched per node: the bodies of the `GET`"
         " responses that the server sent the node's ranks (counted by the server, per node by the User-Agent), and"
-        " that over the file's size; the client's count is lightning-fsdp's own (`remote.fetched_bytes()`). Server"
-        " peak RSS: the server process's own peak during the run (not part of the ranks' memory).",
+        " that over the file's size; the client's count is lightning-fsdp's own (`files.fetched_bytes()`). Server"
+        " peak RSS and CPU: the server process's own peak and CPU time during the run (not part of the ranks'), on the"
+        " same cores as the ranks.",
         "",
         "| strategy | checkpoint | implementation | load time | x local | anonymous above base | local's"
-        " | fetched per node (server) | requests per node | fetched per node (client) | server peak RSS |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        " | fetched per node (server) | requests per node | fetched per node (client) | server peak RSS"
+        " | server CPU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
     ]
     if targets:

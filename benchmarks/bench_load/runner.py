@@ -239,6 +239,7 @@ def _served(counters: dict[str, Any], nodes: int) -> dict[str, Any]:
         "requests_per_node": [n["requests"] for n in per_node],
         "served_untagged": other["get_bytes"],
         "server_peak_rss": counters["peak_rss"],
+        "server_cpu_seconds": counters["cpu_seconds"],
     }
 
 

@@ -371,5 +371,6 @@ def test_object_store_shim_serves_what_moto_serves(tmp_path):
         assert node["requests"] == len(ranges) + 1
         assert sum(len(body) for *_, body in got) < node["get_bytes"] < sum(len(body) for *_, body in got) + 1000
         assert counters["peak_rss"] > 0
+        assert counters["cpu_seconds"] > 0
         answers[server] = got
     assert answers["ranged"] == answers["stock"]

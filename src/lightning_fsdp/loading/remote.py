@@ -37,15 +37,15 @@ from lightning_fsdp.loading.errors import CheckpointLoadError, first_line
 from lightning_fsdp.loading.files import StorageFile, StoragePath, count_fetched
 
 #: The size of the chunks a large range is fetched in, concurrently: large enough that a request's latency is small
-#: against its transfer, small enough that a rank's chunks spread over the pool and their bodies stay few MiB.
-CHUNK_BYTES = 2 * 2**20
+#: against its transfer, small enough that a rank's chunks spread over the pool.
+CHUNK_BYTES = 4 * 2**20
 #: Reads up to this size (and the buffer of a stream) are served from aligned blocks of it, a few cached per object.
 BLOCK_BYTES = 64 * 2**10
 #: Concurrent requests of one rank.
 MAX_CONCURRENT_REQUESTS = 8
-#: The chunks' response bodies a process holds at once (fsspec returns a body whole, as ``bytes``, before it is copied
-#: into its destination; the client's own copy while it assembles one comes on top, at most as much again).
-MAX_IN_FLIGHT_BYTES = MAX_CONCURRENT_REQUESTS * CHUNK_BYTES
+#: The chunks' response bodies a process holds at once, four chunks (fsspec returns a body whole, as ``bytes``, before
+#: it is copied into its destination; the client's own copy while it assembles one comes on top).
+MAX_IN_FLIGHT_BYTES = 16 * 2**20
 #: Attempts per request, and the backoff before the second (doubled before each next, at most ``_MAX_BACKOFF_S``).
 ATTEMPTS = 5
 FIRST_BACKOFF_S = 0.2
