@@ -36,7 +36,7 @@ from pathlib import Path
 
 from lightning_fsdp.upstream._apply import Change, Plan, Restriction, destinations, find_root, plan
 from lightning_fsdp.upstream._merge import _used_names, drop_unused_imports, upstream_base
-from lightning_fsdp.upstream._rewrite import import_from_text
+from lightning_fsdp.upstream._rewrite import PACKAGE_NAME, import_from_text
 from lightning_fsdp.upstream._source import (
     Edit,
     Source,
@@ -51,8 +51,6 @@ from lightning_fsdp.upstream._source import (
 _SRC = "src/lightning_fsdp"
 _TESTS = "tests/tests_fabric"
 _DOCS = "docs/source-fabric"
-#: Words that must not appear in a description (the package's names).
-_PACKAGE_NAMES = re.compile(r"lightning[_-]fsdp", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -1818,7 +1816,7 @@ class Series:
         if number > 1:
             lines += ["", f"Depends on ({number - 1}/{total})."]
         text = "\n".join(lines) + "\n"
-        if _PACKAGE_NAMES.search(text):
+        if PACKAGE_NAME.search(text):
             raise UpstreamError(f"the description of step {number} names the package")
         return text
 
