@@ -11,6 +11,7 @@ script). It needs no GPU: without one, the ranks run on CPU.
 # expect: local rank 1 on node 0
 
 import argparse
+import gc
 import os
 
 import torch
@@ -57,6 +58,11 @@ def main() -> None:
 
     # Leave together: a rank that exits while others still talk to the process group can make them abort.
     fabric.barrier()
+    # FSDP modules hold the process group, and they sit in reference cycles: free them here, so that the group's gloo
+    # threads are joined now. Left to the interpreter's exit, a thread still releasing the last collective's tensors
+    # can abort the process ("terminate called without an active exception").
+    del model
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 
