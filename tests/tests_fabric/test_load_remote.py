@@ -179,6 +179,16 @@ _CASES = {
     ),
     "throttled, then served": ([{"kind": "status", "status": 503, "code": "SlowDown", "count": 3}], "model.pt", None),
     "reset mid-range, then served": ([{"kind": "reset", "count": 2}], "model.pt", None),
+    "a tensor's range reset mid-body, then served": (
+        [{"kind": "reset", "count": 2, "min_range_bytes": remote.BLOCK_BYTES + 1}],
+        "model.pt",
+        None,
+    ),
+    "a tensor's range answered with the whole object": (
+        [{"kind": "unranged", "count": -1, "min_range_bytes": remote.BLOCK_BYTES + 1}],
+        "model.pt",
+        "could not be read after 5 attempts: OSError: the store answered the range",
+    ),
     "truncated object": ([], "truncated.pt", "truncated or corrupt"),
     "replaced during the load": (
         [{"kind": "replace", "key": "faults/model.pt", "flip_at": 0.5, "count": 1}],
@@ -212,6 +222,8 @@ def _faults(proxy: str, options: dict, expected_path: str) -> dict[str, str]:
                 outcomes[case] = "loaded"
                 assert_same_state(gather_full_state(model)["model"], expected, case)
             fabric.barrier()
+            if fabric.global_rank == 0:
+                outcomes[f"{case} fired"] = proxy_stats(proxy)["fired"]  # the faults the proxy made in this case
     if fabric.global_rank == 0:
         set_faults(proxy, [])
     return outcomes
@@ -231,7 +243,8 @@ def test_store_faults_give_one_clear_error_on_every_rank(object_store: ObjectSto
     outcomes = run_distributed(
         _faults, object_store.proxy, object_store.storage_options(), str(tmp_path / "expected.pt"), devices=2
     )
-    for case, (_, _, pattern) in _CASES.items():
+    for case, (rules, _, pattern) in _CASES.items():
+        assert not rules or outcomes[0][f"{case} fired"] > 0, f"{case}: the proxy made none of its faults"
         messages = [rank[case] for rank in outcomes]
         for message in messages:
             if pattern is None:

@@ -7,15 +7,17 @@ proven byte ranges they read from a local file, so each rank fetches only the st
 the slices themselves, never the whole object, and keeps no local copy. What it fetches is counted in
 :func:`~lightning_fsdp.loading.files.fetched_bytes`.
 
-A large range is fetched as chunks of :data:`CHUNK_BYTES` on a bounded pool of threads, written straight into the
-destination; small reads (zip headers, the pickles) are served from blocks of :data:`BLOCK_BYTES`, so adjacent small
-reads cost one request. A failed request is retried with bounded exponential backoff, except where retrying cannot
-help (missing object, access denied). The first size and ETag (or version) seen for an object are pinned: a later
-request finding another object, or a different size, is an error, as a replaced local file is.
+A large range is fetched as chunks on a bounded pool of threads, each written into its place in the destination;
+small reads (zip headers, the pickles) are served from blocks of :data:`BLOCK_BYTES`, so adjacent small reads cost one
+request. A failed request is retried with bounded exponential backoff, except where retrying cannot help (missing
+object, access denied). The first size and ETag (or version) seen for an object are pinned: a later request finding
+another object, or a different size, is an error, as a replaced local file is.
 
-A chunk's body arrives whole before it is copied, so a process holds at most :data:`MAX_IN_FLIGHT_BYTES` of them at
-once, whatever the number of chunks, readers and threads: fetching costs a bounded amount of memory, not one that
-grows with the requests in flight.
+From S3 (s3fs), a chunk of :data:`STREAMED_CHUNK_BYTES` is copied into its destination piece by piece as its body
+arrives, once the answer's ``Content-Range`` has proven which bytes it holds: a request holds no more than the client's
+socket buffers and one piece. fsspec's other file systems return a range's body whole, as ``bytes``, so their chunks
+are :data:`CHUNK_BYTES` and a process holds at most :data:`MAX_IN_FLIGHT_BYTES` of them at once, whatever the number of
+chunks, readers and threads: fetching costs a bounded amount of memory, not one that grows with the requests in flight.
 
 Upstream destination: ``src/lightning/fabric/utilities/load.py``, next to ``cloud_io``.
 """
@@ -31,14 +33,20 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line
 from lightning_fsdp.loading.files import StorageFile, StoragePath, count_fetched
 
-#: The size of the chunks a large range is fetched in, concurrently: large enough that a request's latency is small
-#: against its transfer, small enough that a rank's chunks spread over the pool.
+#: The size of the chunks a large range is fetched in, concurrently, from a store whose bodies arrive whole: large
+#: enough that a request's latency is small against its transfer, small enough that a rank's chunks spread over the
+#: pool and that few of them fit in :data:`MAX_IN_FLIGHT_BYTES`.
 CHUNK_BYTES = 4 * 2**20
+#: The chunks of a store whose bodies are streamed (S3): their size costs no memory, and each request has a cost of its
+#: own, so they are larger (the size S3's guidance gives for ranged GETs).
+STREAMED_CHUNK_BYTES = 16 * 2**20
+#: What a streamed body is read in: the most of a chunk that is held outside its destination at once.
+STREAMED_PIECE_BYTES = 256 * 2**10
 #: Reads up to this size (and the buffer of a stream) are served from aligned blocks of it, a few cached per object.
 BLOCK_BYTES = 64 * 2**10
 #: Concurrent requests of one rank.
@@ -55,6 +63,7 @@ _CACHED_BLOCKS = 16
 _SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_KEY")
 #: Option names (parts of them) whose values are credentials, masked in every message.
 _SECRET_OPTION_WORDS = ("key", "secret", "token", "password", "credential", "sas", "signature")
+_Answer = TypeVar("_Answer")
 
 
 def is_remote(path: Any) -> bool:
@@ -297,10 +306,15 @@ class RemoteFile(StorageFile):
         if cached and total <= BLOCK_BYTES:
             self._read_small(offset, buffer)
             return
-        chunks = [(start, min(start + CHUNK_BYTES, total)) for start in range(0, total, CHUNK_BYTES)]
+        streamed = _streams_ranges(self.path.fs)
+        size = STREAMED_CHUNK_BYTES if streamed else CHUNK_BYTES
+        chunks = [(start, min(start + size, total)) for start in range(0, total, size)]
 
         def fetch_chunk(chunk: tuple[int, int]) -> None:
             start, stop = chunk
+            if streamed:
+                self._stream_into(offset + start, buffer[start:stop])
+                return
             with _in_flight.hold(stop - start):  # the body is dropped once copied, before the budget is released
                 buffer[start:stop] = self._fetch(offset + start, offset + stop)
 
@@ -342,9 +356,18 @@ class RemoteFile(StorageFile):
     def _fetch(self, start: int, stop: int) -> bytes:
         """Bytes ``[start, stop)`` of the object, retried with backoff; exactly that many or an error."""
         fs, fs_path = self.path.fs, self.path.fs_path
-        data = _with_retries(lambda: fs.cat_file(fs_path, start=start, end=stop), self, stop - start)
+        data = _with_retries(lambda: fs.cat_file(fs_path, start=start, end=stop), self, stop - start, len)
         count_fetched(len(data))
         return data
+
+    def _stream_into(self, start: int, destination: memoryview) -> None:
+        """Fill ``destination`` with the object's bytes from ``start`` on, as they arrive; retried with backoff."""
+        from fsspec.asyn import sync
+
+        fs, fs_path = self.path.fs, self.path.fs_path
+        _with_retries(
+            lambda: sync(fs.loop, _stream_s3_range, fs, fs_path, start, destination), self, len(destination), int
+        )
 
     def stream(self) -> io.BufferedReader:
         """A seekable binary stream over the object (for ``zipfile`` and the pickles), reading by ranges."""
@@ -388,10 +411,12 @@ class _RemoteStream(io.RawIOBase):
         return count
 
 
-def _with_retries(request: Callable[[], bytes], file: RemoteFile, expected: int) -> bytes:
-    """Run ``request`` until it returns ``expected`` bytes, with bounded backoff, or raise one clear error.
+def _with_retries(
+    request: Callable[[], _Answer], file: RemoteFile, expected: int, size: Callable[[_Answer], int]
+) -> _Answer:
+    """Run ``request`` until its answer holds ``expected`` bytes, with bounded backoff, or raise one clear error.
 
-    A missing object or a denied access is not retried: it will not change.
+    ``size`` counts the bytes of an answer. A missing object or a denied access is not retried: it will not change.
 
     """
     backoff = FIRST_BACKOFF_S
@@ -404,14 +429,59 @@ def _with_retries(request: Callable[[], bytes], file: RemoteFile, expected: int)
         except Exception as error:  # transient errors of any client: 5xx, throttling, reset connections, timeouts
             failure: BaseException = error
         else:
-            if len(data) == expected:
+            if size(data) == expected:
                 return data
-            failure = OSError(f"the store returned {len(data)} of {expected} bytes")
+            failure = OSError(f"the store returned {size(data)} of {expected} bytes")
         if attempt + 1 < ATTEMPTS:
             time.sleep(backoff)
             backoff = min(2 * backoff, _MAX_BACKOFF_S)
     file.check_unchanged()
     raise file.path.request_error(failure, f"could not be read after {ATTEMPTS} attempts")
+
+
+def _streams_ranges(fs: Any) -> bool:
+    """Whether ranges of ``fs`` are streamed into their destination (s3fs: its client's bodies are streams)."""
+    return bool(getattr(fs, "async_impl", False)) and callable(getattr(fs, "_call_s3", None))
+
+
+async def _stream_s3_range(fs: Any, fs_path: str, start: int, destination: memoryview) -> int:
+    """Copy the S3 object's bytes from ``start`` on into ``destination`` as they arrive; return the count copied.
+
+    The count is short if the answer ended early (a reset connection): the caller retries.
+
+    Raises:
+        OSError: If the answer does not hold exactly the range asked for (a store that ignores ``Range`` answers with
+            the whole object, which must not land at ``start``).
+
+    """
+    bucket, key, version = fs.split_path(fs_path)
+    stop = start + len(destination)
+    answer = await fs._call_s3(
+        "get_object",
+        Bucket=bucket,
+        Key=key,
+        Range=f"bytes={start}-{stop - 1}",
+        **({"VersionId": version} if version else {}),
+    )
+    body = answer["Body"]
+    try:
+        served = answer.get("ContentRange") or ""
+        if not served.startswith(f"bytes {start}-{stop - 1}/") or answer.get("ContentLength") != len(destination):
+            raise OSError(
+                f"the store answered the range {start}-{stop - 1} with {served or 'no Content-Range'} and"
+                f" {answer.get('ContentLength')} bytes"
+            )
+        copied = 0
+        while copied < len(destination):
+            piece = await body.read(min(STREAMED_PIECE_BYTES, len(destination) - copied))
+            if not piece:
+                break
+            destination[copied : copied + len(piece)] = piece
+            copied += len(piece)
+            count_fetched(len(piece))
+        return copied
+    finally:
+        body.close()
 
 
 class _ByteBudget:

@@ -31,14 +31,22 @@ class _Faults:
     rules: list[dict[str, Any]] = field(default_factory=list)
     get_bytes: int = 0
     requests: int = 0
+    fired: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self, method: str, ranged: bool, key: str) -> dict[str, Any] | None:
-        """The fault for this request, if a rule matches it (a rule fires ``count`` times, ``-1``: always)."""
+    def take(self, method: str, range_bytes: int | None, key: str) -> dict[str, Any] | None:
+        """The fault for this request, if a rule matches it (a rule fires ``count`` times, ``-1``: always).
+
+        ``range_bytes`` is the length of the range asked for (``None``: no ``Range``); a rule with ``min_range_bytes``
+        fires only for ranges at least that long.
+
+        """
         with self.lock:
             self.requests += 1
             for rule in self.rules:
-                if rule.get("method", "GET") != method or (rule.get("ranged", True) and not ranged):
+                if rule.get("method", "GET") != method or (rule.get("ranged", True) and range_bytes is None):
+                    continue
+                if (range_bytes or 0) < rule.get("min_range_bytes", 0):
                     continue
                 if rule.get("key") not in (None, key):
                     continue
@@ -48,6 +56,7 @@ class _Faults:
                 if rule["count"] == 0:
                     continue
                 rule["count"] -= 1
+                self.fired += 1
                 return rule
         return None
 
@@ -71,7 +80,7 @@ class FaultProxy:
                     self._control(body)
                     return
                 key = self.path.split("?")[0].lstrip("/").split("/", 1)[-1]
-                rule = proxy.faults.take(self.command, "Range" in self.headers, key)
+                rule = proxy.faults.take(self.command, _range_bytes(self.headers.get("Range")), key)
                 if rule is not None and rule["kind"] == "status":
                     self._reply(rule["status"], _error_xml(rule["code"]), {"Content-Type": "application/xml"})
                     return
@@ -79,6 +88,8 @@ class FaultProxy:
                     proxy.replace(rule["key"], rule["flip_at"])
                 connection = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
+                if rule is not None and rule["kind"] == "unranged":  # a store that ignores `Range`: the whole object
+                    headers = {k: v for k, v in headers.items() if k.lower() != "range"}
                 connection.request(self.command, self.path, body=body or None, headers=headers)
                 response = connection.getresponse()
                 data = response.read()
@@ -105,9 +116,10 @@ class FaultProxy:
                 if self.path == "/__faults__":
                     with proxy.faults.lock:
                         proxy.faults.rules = json.loads(body or b"[]")
-                        proxy.faults.get_bytes = proxy.faults.requests = 0
+                        proxy.faults.get_bytes = proxy.faults.requests = proxy.faults.fired = 0
                 with proxy.faults.lock:
-                    stats = {"get_bytes": proxy.faults.get_bytes, "requests": proxy.faults.requests}
+                    faults = proxy.faults
+                    stats = {"get_bytes": faults.get_bytes, "requests": faults.requests, "fired": faults.fired}
                 self._reply(200, json.dumps(stats).encode(), {"Content-Type": "application/json"})
 
             def _reply(self, status: int, data: bytes, headers: dict[str, str], length: int | None = None) -> None:
@@ -139,6 +151,14 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)
+
+
+def _range_bytes(header: str | None) -> int | None:
+    """The length of the range ``bytes=FIRST-LAST`` asks for (``None`` without one; 0 for another form)."""
+    if header is None:
+        return None
+    first, _, last = header.removeprefix("bytes=").partition("-")
+    return int(last) - int(first) + 1 if first.isdigit() and last.isdigit() else 0
 
 
 def _error_xml(code: str) -> bytes:
