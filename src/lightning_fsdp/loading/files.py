@@ -210,6 +210,30 @@ def read_exactly(file: OpenFile, offset: int, buffer: memoryview, path: Checkpoi
         done += count
 
 
+def check_local_file_unchanged(path: Path, descriptor: int, opened: os.stat_result) -> None:
+    """Raise if the local file open as ``descriptor`` changed since it was opened (``opened`` is its ``fstat`` then).
+
+    A file rewritten in place has another size or modification time; one replaced (renamed over, deleted) is no longer
+    the file found at ``path``.
+
+    Raises:
+        CheckpointLoadError: If the file was rewritten, truncated, replaced or deleted.
+
+    """
+    now = os.fstat(descriptor)
+    try:
+        at_path = os.stat(path)
+    except OSError:
+        at_path = None
+    same_file = at_path is not None and (at_path.st_dev, at_path.st_ino) == (opened.st_dev, opened.st_ino)
+    if not same_file or (now.st_size, now.st_mtime_ns) != (opened.st_size, opened.st_mtime_ns):
+        raise CheckpointLoadError(
+            f"The file {str(path)!r} was changed while it was being loaded (it was rewritten, replaced or truncated),"
+            " so what was read may mix two versions. Do not write a checkpoint while it is being loaded; load it"
+            " again once it is complete."
+        )
+
+
 def _file_kind(mode: int) -> str:
     kinds = [
         (stat.S_ISDIR, "directory"),

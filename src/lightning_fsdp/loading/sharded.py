@@ -63,7 +63,14 @@ from lightning_fsdp.loading.errors import (
     shown_items,
     unexpected_cause,
 )
-from lightning_fsdp.loading.files import CheckpointPath, StorageFile, StoragePath, lexists, require_regular_file
+from lightning_fsdp.loading.files import (
+    CheckpointPath,
+    StorageFile,
+    StoragePath,
+    check_local_file_unchanged,
+    lexists,
+    require_regular_file,
+)
 from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
@@ -573,8 +580,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {}
 def _open_regular_file(path: CheckpointPath, what: str) -> Iterator[IO[bytes]]:
     """Open ``path`` for reading without blocking on a FIFO, and only if it is a regular file.
 
-    An object in object storage is read by range requests, and must be unchanged once it was read
-    (see :func:`_storage_file`).
+    Once it was read (or its reading failed), it must be the file opened, unchanged, as an object in object storage,
+    read by range requests, must be the object pinned (see :func:`_storage_file`).
 
     """
     if isinstance(path, StoragePath):
@@ -592,7 +599,13 @@ def _open_regular_file(path: CheckpointPath, what: str) -> Iterator[IO[bytes]]:
             raise CheckpointLoadError(f"The {what} {str(path)!r} was replaced while it was being opened.")
         if hasattr(os, "set_blocking"):
             os.set_blocking(descriptor, True)
-        yield stream
+        opened = os.fstat(descriptor)
+        try:
+            yield stream
+        except Exception:
+            check_local_file_unchanged(Path(path), descriptor, opened)  # a rewritten file says so, not what it broke
+            raise
+        check_local_file_unchanged(Path(path), descriptor, opened)
 
 
 @contextmanager

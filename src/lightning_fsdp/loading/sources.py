@@ -28,6 +28,7 @@ from lightning_fsdp.loading.files import (
     OpenFile,
     StorageFile,
     StoragePath,
+    check_local_file_unchanged,
     close_file,
     open_file,
     read_exactly,
@@ -219,18 +220,7 @@ class ByteRangeSource(TensorSource):
             if isinstance(file, StorageFile):
                 file.check_unchanged()
                 continue
-            now = os.fstat(file)
-            try:
-                at_path = os.stat(path)
-            except OSError:
-                at_path = None
-            same_file = at_path is not None and (at_path.st_dev, at_path.st_ino) == (opened.st_dev, opened.st_ino)
-            if not same_file or _fingerprint(now) != _fingerprint(opened):
-                raise CheckpointLoadError(
-                    f"The file {str(path)!r} was changed while it was being loaded (it was rewritten, replaced or"
-                    " truncated), so what was read may mix two versions. Do not write a checkpoint while it is being"
-                    " loaded; load it again once it is complete."
-                )
+            check_local_file_unchanged(path, file, opened)
 
     def close(self) -> None:
         for file, _ in self._files.values():
@@ -449,10 +439,6 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
-
-
-def _fingerprint(info: os.stat_result) -> tuple[int, int]:
-    return info.st_size, info.st_mtime_ns
 
 
 def _out_of_bounds(path: Path, name: str, reason: str) -> CheckpointLoadError:

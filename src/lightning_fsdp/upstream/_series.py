@@ -741,8 +741,8 @@ STEPS: tuple[Step, ...] = (
         " refuse absurd nesting.",
         effect="None yet (unused until the loader). Its tests read located tensors (views, strided, cast) from a file"
         " written byte by byte, and refuse locations outside their storage or file.",
-        size="790 source lines: `sources.py` 462, `files.py` 221 (the regular-file checks and the `StoragePath` seam"
-        " that the remote reader of the last step implements), `errors.py` 102.",
+        size="800 source lines: `sources.py` 448, `files.py` 245 (the regular-file checks, the check that a file is"
+        " unchanged, and the `StoragePath` seam that the remote reader of the last step implements), `errors.py` 102.",
     ),
     Step(
         slug="torch-file-structure",

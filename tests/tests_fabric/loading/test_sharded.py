@@ -1,6 +1,7 @@
 """Reading a sharded (DCP) checkpoint safely: no code from its pickles, only regular files, nothing written on error."""
 
 import collections
+import os
 import time
 from pathlib import Path
 
@@ -201,6 +202,37 @@ def test_byte_entries_are_unpickled_weights_only(tmp_path):
     trusted = CheckedFileSystemReader(path, read_dcp_metadata(path, weights_only=False), weights_only=False)
     dcp.load({"blob": None}, storage_reader=trusted, no_dist=True)  # and so does a load that trusts the file
     assert marker.exists()
+
+
+@pytest.mark.parametrize("change", ["rewritten in place", "replaced by a new file"])
+def test_shard_file_changed_while_it_is_read_is_an_error(tmp_path, monkeypatch, change):
+    """A save into the same directory while it is loaded: what was read may mix two versions, so the load fails."""
+    path = tmp_path / "dcp"
+    dcp.save({"a": torch.ones(64), "b": torch.full((64,), 2.0)}, checkpoint_id=path, no_dist=True)
+    (shard,) = path.glob("*.distcp")
+    os.utime(shard, (1, 1))  # saved long ago: a write now changes the modification time, whatever its resolution
+    reader = CheckedFileSystemReader(path, read_dcp_metadata(path))
+    slice_file = CheckedFileSystemReader._slice_file
+
+    def slice_then_change(self, file, sinfo):
+        if change == "rewritten in place":
+            with open(shard, "r+b") as rewriting:
+                rewriting.seek(sinfo.offset)
+                rewriting.write(b"\0" * sinfo.length)
+        else:
+            replacement = tmp_path / "new.distcp"
+            replacement.write_bytes(shard.read_bytes())
+            replacement.replace(shard)  # an atomic re-save: the open descriptor still reads the old file
+        monkeypatch.setattr(CheckedFileSystemReader, "_slice_file", slice_file)  # once
+        return slice_file(self, file, sinfo)
+
+    monkeypatch.setattr(CheckedFileSystemReader, "_slice_file", slice_then_change)
+    state = {"a": torch.zeros(64), "b": torch.zeros(64)}
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    (error, _), *_ = caught.value.failures.values()
+    assert isinstance(error, CheckpointLoadError)
+    assert f"The file {str(shard)!r} was changed while it was being loaded" in str(error)
 
 
 def _load_broken_checkpoints(saved: str, work: str) -> dict[str, str]:
