@@ -7,6 +7,7 @@ model then computes what peft's own ``PeftModel.from_pretrained`` computes.
 """
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -14,10 +15,12 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_fsdp import CheckpointLoadError, FSDPStrategy, ModelParallelStrategy
+from lightning_fsdp.loading.materialize import MetaMaterializer
 from lightning_fsdp.loading.sources import TensorSpec
 from lightning_fsdp.loading.validation import TargetSpec, plan_load
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import tiny_llama_config
+from tests.tests_fabric.helpers.state import gather_full_state
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -100,6 +103,92 @@ def test_base_model_and_adapter_into_a_peft_model(tmp_path, layout):
             "`rename=lambda name: name.replace('.lora_A.', '.lora_A.default.').replace('.lora_B.', '.lora_B.default.')`"
             in adapter_message
         )
+
+
+def _new_adapter_on_loaded_base(base: str, layout: str) -> dict[str, Any]:
+    """A peft model with a new adapter (peft's defaults), created on meta, its base loaded: it computes the base's."""
+    config = tiny_llama_config(False, _VOCAB)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])  # `init_lora_weights=True`
+    if layout == "fsdp1":
+        from peft.utils.other import fsdp_auto_wrap_policy
+
+        policy = fsdp_auto_wrap_policy(peft.get_peft_model(transformers.LlamaForCausalLM(config), lora))
+        strategy = FSDPStrategy(auto_wrap_policy=policy, use_orig_params=True)
+    else:
+        strategy = ModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+    model = fabric.setup_module(model)
+
+    def rename(name: str) -> str:  # what the refusal advises (see the test above)
+        return (
+            ("base_model.model." + name)
+            .replace(".q_proj.", ".q_proj.base_layer.")
+            .replace(".v_proj.", ".v_proj.base_layer.")
+        )
+
+    with fabric.strategy.load_options(rename=rename):
+        fabric.load_raw(f"{base}/model.safetensors", model, strict=False)
+    tokens = torch.randint(0, _VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(tokens).logits
+    state = gather_full_state(model)["model"]
+    # NumPy arrays: a tensor would reach the test process through shared memory that this rank takes with it.
+    return {
+        "logits": logits.numpy(),
+        "lora_A": torch.cat([value.flatten() for name, value in state.items() if ".lora_A." in name]).numpy(),
+        "lora_B": torch.cat([value.flatten() for name, value in state.items() if ".lora_B." in name]).numpy(),
+    }
+
+
+@pytest.mark.parametrize("layout", ["fsdp1", "fsdp2"])
+def test_a_new_adapter_on_a_meta_model_changes_nothing_until_trained(tmp_path, layout):
+    """peft makes a new adapter's `lora_B` zero: created under `empty_init=True`, it must be zero too, not random."""
+    base, _ = _write(tmp_path)
+    tokens = torch.randint(0, _VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = transformers.LlamaForCausalLM.from_pretrained(base)(tokens).logits
+    for rank in run_distributed(_new_adapter_on_loaded_base, base, layout, devices=2):
+        torch.testing.assert_close(torch.from_numpy(rank["logits"]), expected, rtol=1e-6, atol=1e-6)
+        assert not rank["lora_B"].any()
+        # `lora_A` as nn.Linear initialises itself (peft's default): uniform within 1/sqrt(32), not N(0, 0.02).
+        assert abs(rank["lora_A"]).max() <= 32**-0.5
+        assert rank["lora_A"].std() > 0.06
+
+
+def _meta_peft_model(**lora_options: Any) -> nn.Module:
+    config = tiny_llama_config(False, _VOCAB)
+    options = {"r": 4, "target_modules": ["q_proj", "embed_tokens"], **lora_options}
+    with torch.device("meta"):
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(**options))
+    MetaMaterializer(model, torch.device("cpu")).materialize(model)
+    return model
+
+
+def _adapter_tensors(model: nn.Module, part: str) -> torch.Tensor:
+    return torch.cat([value.detach().flatten() for name, value in model.named_parameters() if f".{part}." in name])
+
+
+@pytest.mark.parametrize("scheme", [True, "gaussian", False])
+def test_adapters_materialise_as_peft_initialises_them(scheme):
+    """Each `init_lora_weights` as peft draws it: `lora_A` (std 1/sqrt(3 * 32) as nn.Linear, or 1/r), `lora_B` zero
+    unless `False`; an embedding's adapter: `lora_embedding_A` zero and `lora_embedding_B` N(0, 1)."""
+    model = _meta_peft_model(init_lora_weights=scheme)
+    lora_a, lora_b = _adapter_tensors(model, "lora_A"), _adapter_tensors(model, "lora_B")
+    expected_a_std = 0.25 if scheme == "gaussian" else (3 * 32) ** -0.5
+    assert 0.75 * expected_a_std < lora_a.std() < 1.25 * expected_a_std
+    assert lora_b.any() == (scheme is False)
+    embedding_a, embedding_b = _adapter_tensors(model, "lora_embedding_A"), _adapter_tensors(model, "lora_embedding_B")
+    assert embedding_a.any() == (scheme is False)
+    assert 0.75 < embedding_b.std() < 1.25
+
+
+def test_a_scheme_computed_from_base_weights_starts_as_peft_default_with_a_warning():
+    with pytest.warns(UserWarning, match=r"`init_lora_weights='pissa'`, which peft computes from the base weights"):
+        model = _meta_peft_model(init_lora_weights="pissa", target_modules=["q_proj"])
+    assert not _adapter_tensors(model, "lora_B").any()
 
 
 def _specs(names, shape=(4, 4)):

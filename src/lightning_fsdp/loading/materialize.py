@@ -114,7 +114,7 @@ class MetaMaterializer:
         self._module_names: dict[int, list[str]] = {}
         for name, submodule in root.named_modules(remove_duplicate=False):
             self._module_names.setdefault(id(submodule), []).append(name)
-        self._model_init = _model_init_functions(root)
+        self._model_init = {**_model_init_functions(root), **_adapter_init_functions(root)}
         self._materialized: dict[int, _Materialized] = {}
 
     def __call__(self, module: Module) -> None:
@@ -313,6 +313,94 @@ def _model_init_functions(root: Module) -> dict[int, Callable[[Module], None]]:
             functions[id(module)] = init
         stack.extend((child, init) for child in module.children())
     return functions
+
+
+def _adapter_init_functions(root: Module) -> dict[int, Callable[[Module], None]]:
+    """For each module holding a peft LoRA adapter's weights: the initialisation that peft gives a new adapter.
+
+    peft initialises an adapter when it adds it; on the meta device that wrote nothing, and the model's own
+    initialisation would make ``lora_B`` random, so a new adapter would change the model's output before any training.
+    The adapter's ``init_lora_weights`` decides, as in peft: ``True`` (its default) initialises ``lora_A`` as
+    ``nn.Linear`` does and ``lora_B`` to zero; ``"gaussian"`` draws ``lora_A`` from a normal distribution with standard
+    deviation ``1 / r``; ``False`` leaves both as ``nn.Linear`` initialises them. An embedding's adapter has
+    ``lora_embedding_A`` zero and ``lora_embedding_B`` standard normal (both normal with ``False``). Schemes computed
+    from the base weights (PiSSA, OLoRA, LoftQ, ...) cannot be computed before they are loaded: those adapters start
+    as with ``True``, with a warning.
+
+    """
+    lora = sys.modules.get("peft.tuners.lora.layer")  # a model with a LoRA adapter means peft imported it already
+    lora_layer = getattr(lora, "LoraLayer", None)
+    if lora_layer is None:
+        return {}
+    functions: dict[int, Callable[[Module], None]] = {}
+    stack: list[tuple[Module, Any]] = [(root, None)]
+    while stack:
+        module, configs = stack.pop()
+        configs = getattr(module, "peft_config", configs)  # a PeftModel's or LoraModel's adapter name -> config
+        if isinstance(module, lora_layer):
+            for adapter, rank in module.r.items():
+                scheme = _lora_init_scheme(configs, adapter)
+                if adapter in module.lora_A:
+                    functions[id(module.lora_A[adapter])] = _lora_a_init(scheme, rank)
+                    functions[id(module.lora_B[adapter])] = _lora_b_init(scheme)
+            for name, zero_when_new in (("lora_embedding_A", True), ("lora_embedding_B", False)):
+                holder = getattr(module, name, None)
+                if holder is not None and len(holder):
+                    schemes = {adapter: _lora_init_scheme(configs, adapter) for adapter in holder}
+                    functions[id(holder)] = _lora_embedding_init(schemes, zero_when_new)
+        stack.extend((child, configs) for child in module.children())
+    return functions
+
+
+def _lora_init_scheme(configs: Any, adapter: str) -> Any:
+    """The adapter's ``init_lora_weights`` (``True``, ``False`` or ``"gaussian"``), ``True`` for what meta cannot do."""
+    config = configs.get(adapter) if isinstance(configs, dict) else None
+    scheme = getattr(config, "init_lora_weights", True)
+    if scheme is True or scheme is False or (isinstance(scheme, str) and scheme.lower() == "gaussian"):
+        return scheme
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+    rank_zero_warn(
+        f"The LoRA adapter {adapter!r} asks for `init_lora_weights={scheme!r}`, which peft computes from the base"
+        " weights; a model created with `init_module(empty_init=True)` has none yet, so the adapter starts as with"
+        " `init_lora_weights=True` (`lora_B` zero: the adapter changes nothing until trained). For that scheme, create"
+        " the adapter on a model whose base weights are loaded, or load the adapter from a file."
+    )
+    return True
+
+
+def _lora_a_init(scheme: Any, rank: int) -> Callable[[Module], None]:
+    def initialize(module: Module) -> None:
+        reset_parameters = getattr(module, "reset_parameters", None)
+        if callable(reset_parameters):  # nn.Linear, nn.Conv*: what peft's default does for `lora_A`
+            reset_parameters()
+        if isinstance(scheme, str):  # "gaussian"
+            torch.nn.init.normal_(module.weight, std=1 / rank)
+
+    return initialize
+
+
+def _lora_b_init(scheme: Any) -> Callable[[Module], None]:
+    def initialize(module: Module) -> None:
+        reset_parameters = getattr(module, "reset_parameters", None)
+        if scheme is False and callable(reset_parameters):
+            reset_parameters()
+            return
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            tensor.zero_()
+
+    return initialize
+
+
+def _lora_embedding_init(schemes: dict[str, Any], zero_when_new: bool) -> Callable[[Module], None]:
+    def initialize(holder: Module) -> None:
+        for adapter, tensor in holder.named_parameters(recurse=False):
+            if zero_when_new and schemes.get(adapter) is not False:
+                tensor.zero_()
+            else:
+                tensor.normal_()
+
+    return initialize
 
 
 def _named_tensors(module: Module) -> Iterator[tuple[str, torch.Tensor]]:

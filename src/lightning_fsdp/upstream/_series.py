@@ -1314,14 +1314,18 @@ STEPS: tuple[Step, ...] = (
         " `_init_weights` never runs. Each unit (FSDP1) or `DTensor` shard (FSDP2) is now allocated on the rank's"
         " device and initialised by the model's own initialisation, and by `reset_parameters()` where that leaves a"
         " tensor unwritten; tensors that two modules share stay one tensor; floating-point tensors that nothing"
-        " wrote are NaN, and a load that leaves any of them unwritten warns, naming them.",
+        " wrote are NaN, and a load that leaves any of them unwritten warns, naming them. A new peft LoRA adapter is"
+        " initialised as peft initialises it (`lora_B` zero by default), not by the model's `_init_weights`, so that it"
+        " changes nothing until trained (its tests come with `test_peft.py` in the conversions step).",
         effect="No measured cost: the same allocation as FSDP's, once per unit.",
         behaviour="`setup_module` initialises a meta model with its own initialisation; tensors that nothing wrote"
         " are NaN and the load that leaves them unwritten warns, naming them. The warning about modules without"
         " `reset_parameters()` moves from `setup_module` to that load.",
-        size="467 source lines, 320 of them `materialize.py`: each unit's (FSDP1) or local shard's (FSDP2) tensors"
+        size="555 source lines, 408 of them `materialize.py`: each unit's (FSDP1) or local shard's (FSDP2) tensors"
         " allocated on the rank's device, what the model's own initialisation writes recorded, shared tensors kept"
-        " shared; the rest in both strategies' `setup_module` and the loader's warning.",
+        " shared, peft adapters initialised as peft does; the rest in both strategies' `setup_module` and the"
+        " loader's warning. Above the guideline of about 400 because the materialiser and the two `setup_module`"
+        " calls that replace FSDP's own materialisation cannot work apart.",
         lightning_edits=_MODEL_PARALLEL_EDITS[1:],
     ),
     Step(
