@@ -1270,15 +1270,16 @@ STEPS: tuple[Step, ...] = (
         " a FIFO or a truncated shard hangs or half-loads the model. The reader now unpickles `.metadata` through an"
         " allow-list of torch's metadata types and the other entries weights-only, checks that every file is a"
         " regular file holding every byte the metadata places in it, compares the checkpoint's entries with the"
-        " model's sharded state dict and the optimizers' before anything is read, and reads everything before"
-        " anything is written; a failure inside the reader is one short `CheckpointLoadError`. Both strategies use"
-        " it, each rank reading its own shards; `load_raw` reads a sharded checkpoint's model entry.",
+        " model's sharded state dict and the optimizers' before anything is read, reads everything before"
+        " anything is written, and checks after reading each file that it was not rewritten or replaced meanwhile"
+        " (a save into the same directory); a failure inside the reader is one short `CheckpointLoadError`. Both"
+        " strategies use it, each rank reading its own shards; `load_raw` reads a sharded checkpoint's model entry.",
         effect="No cost measured beyond the reader's own: the checks read the metadata once and stat the files.",
         behaviour="With `weights_only=True` (the default) a sharded checkpoint whose metadata or entries hold other"
         " objects is refused before any of its code runs; `meta.pt` is read with `weights_only=True` and"
         ' `map_location="cpu"`. `fabric.load_raw` reads a sharded checkpoint. A remote sharded directory is'
         " loaded as before until the last step of this series.",
-        size="883 source lines added, 850 of them `sharded.py`: the allow-list unpickler, the checks of the metadata"
+        size="890 source lines added, 857 of them `sharded.py`: the allow-list unpickler, the checks of the metadata"
         " against the files and against the model (FSDP1 and FSDP2 state dicts), and the reader of both strategies'"
         " optimizer states. Upstream's `load_checkpoint` of both strategies stays, as `_default_load_checkpoint`, for"
         " remote paths until the last step.",
@@ -1321,7 +1322,7 @@ STEPS: tuple[Step, ...] = (
         behaviour="`setup_module` initialises a meta model with its own initialisation; tensors that nothing wrote"
         " are NaN and the load that leaves them unwritten warns, naming them. The warning about modules without"
         " `reset_parameters()` moves from `setup_module` to that load.",
-        size="555 source lines, 408 of them `materialize.py`: each unit's (FSDP1) or local shard's (FSDP2) tensors"
+        size="554 source lines, 408 of them `materialize.py`: each unit's (FSDP1) or local shard's (FSDP2) tensors"
         " allocated on the rank's device, what the model's own initialisation writes recorded, shared tensors kept"
         " shared, peft adapters initialised as peft does; the rest in both strategies' `setup_module` and the"
         " loader's warning. Above the guideline of about 400 because the materialiser and the two `setup_module`"
