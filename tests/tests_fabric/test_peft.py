@@ -54,22 +54,27 @@ def _parallelize(model: nn.Module, device_mesh) -> nn.Module:
     return model
 
 
-def _load_base_and_adapter(base: str, adapter: str, layout: str) -> list[str]:
+def _sharded_peft_model(layout: str, lora: Any) -> tuple[Fabric, nn.Module]:
+    """A tiny Llama with the adapter ``lora``, created on the meta device and sharded over 2 CPU ranks."""
     config = tiny_llama_config(False, _VOCAB)
     if layout == "fsdp1":
         from peft.utils.other import fsdp_auto_wrap_policy
 
         # FSDP1 flattens each unit's parameters into one: a unit of peft's frozen base and trainable adapter needs
         # `use_orig_params=True` (Fabric's default); peft's policy wraps the adapters in units of their own.
-        policy = fsdp_auto_wrap_policy(peft.get_peft_model(transformers.LlamaForCausalLM(config), _lora_config()))
+        policy = fsdp_auto_wrap_policy(peft.get_peft_model(transformers.LlamaForCausalLM(config), lora))
         strategy = FSDPStrategy(auto_wrap_policy=policy, use_orig_params=True)
     else:
         strategy = ModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     with fabric.init_module(empty_init=True):
-        model = peft.get_peft_model(transformers.LlamaForCausalLM(config), _lora_config())
-    model = fabric.setup_module(model)
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
+    return fabric, fabric.setup_module(model)
+
+
+def _load_base_and_adapter(base: str, adapter: str, layout: str) -> list[str]:
+    fabric, model = _sharded_peft_model(layout, _lora_config())
     messages = []
     for path in (base, adapter):
         with pytest.raises(CheckpointLoadError) as error:
@@ -107,20 +112,8 @@ def test_base_model_and_adapter_into_a_peft_model(tmp_path, layout):
 
 def _new_adapter_on_loaded_base(base: str, layout: str) -> dict[str, Any]:
     """A peft model with a new adapter (peft's defaults), created on meta, its base loaded: it computes the base's."""
-    config = tiny_llama_config(False, _VOCAB)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])  # `init_lora_weights=True`
-    if layout == "fsdp1":
-        from peft.utils.other import fsdp_auto_wrap_policy
-
-        policy = fsdp_auto_wrap_policy(peft.get_peft_model(transformers.LlamaForCausalLM(config), lora))
-        strategy = FSDPStrategy(auto_wrap_policy=policy, use_orig_params=True)
-    else:
-        strategy = ModelParallelStrategy(_parallelize, data_parallel_size=2, tensor_parallel_size=1)
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
-    fabric.launch()
-    with fabric.init_module(empty_init=True):
-        model = peft.get_peft_model(transformers.LlamaForCausalLM(config), lora)
-    model = fabric.setup_module(model)
+    fabric, model = _sharded_peft_model(layout, lora)
 
     def rename(name: str) -> str:  # what the refusal advises (see the test above)
         return (
