@@ -13,6 +13,7 @@ Run it with ``make demo`` (or ``python examples/demo.py --devices 4 --width 1024
 """
 
 import argparse
+import gc
 import threading
 import time
 from pathlib import Path
@@ -209,3 +210,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The FSDP modules hold the process group, in reference cycles: collect them and destroy the group while the
+    # interpreter is alive. Left to its exit, a gloo thread still releasing the last collective's tensors can abort
+    # the process ("terminate called without an active exception").
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -12,6 +12,7 @@ Run it with ``python convert_and_load.py``: Fabric launches the second process i
 # expect: loaded checkpoints/lit-llama-sharded into a model sharded over 2 ranks
 # expect: outputs match the unsharded model
 
+import gc
 from pathlib import Path
 
 import torch
@@ -80,3 +81,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The FSDP modules hold the process group, in reference cycles: collect them and destroy the group while the
+    # interpreter is alive. Left to its exit, a gloo thread still releasing the last collective's tensors can abort
+    # the process ("terminate called without an active exception").
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -12,6 +12,7 @@ Run it with ``python load_hugging_face.py``: Fabric launches the second process 
 # expect: The checkpoint does not match the model; nothing was loaded and the model is unchanged.
 # expect: strict=False loaded the backbone; the new head kept its initial values
 
+import gc
 import json
 from pathlib import Path
 
@@ -126,3 +127,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The FSDP modules hold the process group, in reference cycles: collect them and destroy the group while the
+    # interpreter is alive. Left to its exit, a gloo thread still releasing the last collective's tensors can abort
+    # the process ("terminate called without an active exception").
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -14,6 +14,7 @@ Run it with ``python load_peft_adapter.py``: Fabric launches the second process 
 # expect: loaded the base model and the adapter
 # expect: logits match PeftModel.from_pretrained's
 
+import gc
 from pathlib import Path
 
 import torch
@@ -96,3 +97,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The FSDP modules hold the process group, in reference cycles: collect them and destroy the group while the
+    # interpreter is alive. Left to its exit, a gloo thread still releasing the last collective's tensors can abort
+    # the process ("terminate called without an active exception").
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -11,6 +11,7 @@ Run it with ``python load_raw_state_dict.py``: Fabric launches the second proces
 # expect: outputs match the unsharded model
 # expect: saved a sharded checkpoint to checkpoints/lit-llama-sharded
 
+import gc
 from pathlib import Path
 
 import torch
@@ -81,3 +82,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The FSDP modules hold the process group, in reference cycles: collect them and destroy the group while the
+    # interpreter is alive. Left to its exit, a gloo thread still releasing the last collective's tensors can abort
+    # the process ("terminate called without an active exception").
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -14,6 +14,7 @@ and ``transformers`` (the package's ``test`` extra installs it).
 # expect: loaded checkpoints/llama into the sharded model; lm_head is tied to the embedding: True
 # expect: logits match from_pretrained's
 
+import gc
 from pathlib import Path
 
 import torch
@@ -72,3 +73,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The FSDP modules hold the process group, in reference cycles: collect them and destroy the group while the
+    # interpreter is alive. Left to its exit, a gloo thread still releasing the last collective's tensors can abort
+    # the process ("terminate called without an active exception").
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

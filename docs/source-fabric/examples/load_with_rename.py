@@ -12,6 +12,7 @@ Run it with ``python load_with_rename.py``: Fabric launches the second process i
 # expect: loaded the causal-LM file into the base model with rename
 # expect: loaded the compiled model's file, its prefix removed automatically
 
+import gc
 from pathlib import Path
 
 import torch
@@ -71,3 +72,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The FSDP modules hold the process group, in reference cycles: collect them and destroy the group while the
+    # interpreter is alive. Left to its exit, a gloo thread still releasing the last collective's tensors can abort
+    # the process ("terminate called without an active exception").
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

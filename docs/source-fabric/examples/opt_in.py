@@ -12,6 +12,8 @@ Run it with ``python opt_in.py``: Fabric launches the second process itself. It 
 # expect: loaded checkpoints/lit-llama.pth with fabric.load
 # expect: after disable(): lightning.fabric.strategies.fsdp.FSDPStrategy
 
+import gc
+
 import lightning_fsdp
 
 lightning_fsdp.enable()  # the one line: before the strategy is created, anywhere in the script
@@ -63,3 +65,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The FSDP modules hold the process group, in reference cycles: collect them and destroy the group while the
+    # interpreter is alive. Left to its exit, a gloo thread still releasing the last collective's tensors can abort
+    # the process ("terminate called without an active exception").
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
