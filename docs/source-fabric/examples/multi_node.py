@@ -58,13 +58,13 @@ def main() -> None:
 
     # Leave together: a rank that exits while others still talk to the process group can make them abort.
     fabric.barrier()
-    # FSDP modules hold the process group, and they sit in reference cycles: free them here, so that the group's gloo
-    # threads are joined now. Left to the interpreter's exit, a thread still releasing the last collective's tensors
-    # can abort the process ("terminate called without an active exception").
-    del model
-    gc.collect()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # The FSDP modules hold the process group, in reference cycles: collect them and destroy the group while the
+    # interpreter is alive. Left to its exit, a gloo thread still releasing the last collective's tensors can abort
+    # the process ("terminate called without an active exception").
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

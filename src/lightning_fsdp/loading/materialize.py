@@ -338,15 +338,14 @@ def _adapter_init_functions(root: Module) -> dict[int, Callable[[Module], None]]
         module, configs = stack.pop()
         configs = getattr(module, "peft_config", configs)  # a PeftModel's or LoraModel's adapter name -> config
         if isinstance(module, lora_layer):
+            schemes = {adapter: _lora_init_scheme(configs, adapter) for adapter in module.r}
             for adapter, rank in module.r.items():
-                scheme = _lora_init_scheme(configs, adapter)
                 if adapter in module.lora_A:
-                    functions[id(module.lora_A[adapter])] = _lora_a_init(scheme, rank)
-                    functions[id(module.lora_B[adapter])] = _lora_b_init(scheme)
+                    functions[id(module.lora_A[adapter])] = _lora_a_init(schemes[adapter], rank)
+                    functions[id(module.lora_B[adapter])] = _lora_b_init(schemes[adapter])
             for name, zero_when_new in (("lora_embedding_A", True), ("lora_embedding_B", False)):
                 holder = getattr(module, name, None)
                 if holder is not None and len(holder):
-                    schemes = {adapter: _lora_init_scheme(configs, adapter) for adapter in holder}
                     functions[id(holder)] = _lora_embedding_init(schemes, zero_when_new)
         stack.extend((child, configs) for child in module.children())
     return functions

@@ -594,12 +594,12 @@ def _open_regular_file(path: CheckpointPath, what: str) -> Iterator[IO[bytes]]:
     except OSError as error:
         raise CheckpointLoadError(f"The {what} {str(path)!r} cannot be opened: {error.strerror or error}.") from None
     with os.fdopen(descriptor, "rb") as stream:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        opened = os.fstat(descriptor)
+        if not stat.S_ISREG(opened.st_mode):
             require_regular_file(path, what)  # it was replaced after the first check: raises, naming what it is now
             raise CheckpointLoadError(f"The {what} {str(path)!r} was replaced while it was being opened.")
         if hasattr(os, "set_blocking"):
             os.set_blocking(descriptor, True)
-        opened = os.fstat(descriptor)
         try:
             yield stream
         except Exception:
