@@ -1322,7 +1322,7 @@ STEPS: tuple[Step, ...] = (
         behaviour="`setup_module` initialises a meta model with its own initialisation; tensors that nothing wrote"
         " are NaN and the load that leaves them unwritten warns, naming them. The warning about modules without"
         " `reset_parameters()` moves from `setup_module` to that load.",
-        size="554 source lines, 408 of them `materialize.py`: each unit's (FSDP1) or local shard's (FSDP2) tensors"
+        size="553 source lines, 407 of them `materialize.py`: each unit's (FSDP1) or local shard's (FSDP2) tensors"
         " allocated on the rank's device, what the model's own initialisation writes recorded, shared tensors kept"
         " shared, peft adapters initialised as peft does; the rest in both strategies' `setup_module` and the"
         " loader's warning. Above the guideline of about 400 because the materialiser and the two `setup_module`"
