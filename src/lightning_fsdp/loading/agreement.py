@@ -31,6 +31,8 @@ queues behind one.
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
+from __future__ import annotations
+
 import json
 import secrets
 import threading

@@ -35,7 +35,6 @@ from lightning_fsdp.loading.shard_local import (
     copy_into_module,
     join,
 )
-from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint, read_checked_metadata
 from lightning_fsdp.loading.sources import TensorSource, materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
@@ -215,6 +214,9 @@ def _load_file(
 
 
 def _load_sharded(path: CheckpointPath, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
+    # Imported here: torch's distributed checkpoint package cannot be imported where `torch.distributed` is unavailable.
+    from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint, read_checked_metadata
+
     if request.rename is not None:
         raise CheckpointLoadError(
             f"{str(path)!r} is a sharded checkpoint, whose tensors are read by their names in the model: `rename`"

@@ -11,6 +11,8 @@ tripping the process-group timeout, and a rank that fails or dies is noticed by 
 Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
+from __future__ import annotations
+
 import gc
 import math
 from collections.abc import Iterator
