@@ -13,7 +13,6 @@ from lightning_fsdp.opt_in import disable, enable, is_enabled  # noqa: E402
 from lightning_fsdp.strategy import FSDPStrategy  # noqa: E402
 
 
-
 def __getattr__(name: str) -> Any:
     # `convert_checkpoint` needs torch's distributed checkpoint package, which cannot be imported where
     # `torch.distributed` is unavailable: it is imported on first use.

@@ -178,7 +178,7 @@ class Agreement:
         """The agreement's own namespace in the store, for the caller's keys (``None`` with a single process)."""
         return self._store
 
-    def __enter__(self) -> "Agreement":
+    def __enter__(self) -> Agreement:
         root = self._root
         if root is None:
             if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

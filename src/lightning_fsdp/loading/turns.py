@@ -176,7 +176,7 @@ class StaggeredLoad:
         """Whether the ranks coordinate through a process group (``False`` with a single process)."""
         return self._agreement.distributed
 
-    def __enter__(self) -> "StaggeredLoad":
+    def __enter__(self) -> StaggeredLoad:
         self._agreement.__enter__()
         store = self._agreement.store
         if store is not None and self._progress is not None:
