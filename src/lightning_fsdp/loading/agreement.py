@@ -3,7 +3,9 @@
 No collective runs here: ranks meet by polling the store, so a rank may wait for hours (for a turn, for a slow rank)
 without tripping the process-group timeout. Every wait is bounded all the same:
 
-- a rank that fails publishes its error, and the ranks that wait see it within a poll interval;
+- a rank that fails publishes its error, and the ranks that wait see it within a poll interval; every rank then waits
+  for the outcome of every other rank's work in the same stage (a failure, a success, or a rank found dead), so that
+  every rank raises the same error naming the same ranks, however far apart in time they failed;
 - a rank that dies without a word (``SIGKILL``, the out-of-memory killer) stops its heartbeat: while an agreement is
   open, a daemon thread on every rank bumps that rank's counter in the store every second, and a waiting rank declares
   a rank dead once its counter has not moved for ``_UNRESPONSIVE_AFTER_S`` seconds of the waiter's own monotonic clock
@@ -54,11 +56,8 @@ _POLL_MAX_S = 0.2
 #: How often each rank bumps its heartbeat counter, and how often a waiting rank reads the others'.
 _HEARTBEAT_S = 1.0
 #: A rank whose heartbeat counter has not moved for this long is declared dead. A rank that waits notices it within
-#: ``_UNRESPONSIVE_AFTER_S + _HEARTBEAT_S + _POLL_MAX_S`` and raises, at the latest ``_FAILURE_GRACE_S`` later.
+#: ``_UNRESPONSIVE_AFTER_S + _HEARTBEAT_S + _POLL_MAX_S`` and raises.
 _UNRESPONSIVE_AFTER_S = 30.0
-#: Once a failure is known, how long a rank waits for the others to reach the agreement before it raises anyway (the
-#: ranks that are not busy inside their own work arrive within one poll interval).
-_FAILURE_GRACE_S = 5.0
 #: How long rank 0 waits, at the end of an agreement, for the others to have read the outcome (without a launcher it
 #: hosts the store: it must not exit before the others have read it).
 _LEAVE_GRACE_S = 5.0
@@ -211,6 +210,7 @@ class Agreement:
             if exc is not None and not isinstance(exc, Exception):
                 # An interrupt or exit: tell the others, do not make the user wait for them.
                 self.publish_failure(exc)
+                self._mark_arrived()
                 return False
             self.agree(exc)
             return False
@@ -222,8 +222,10 @@ class Agreement:
     def agree(self, error: BaseException | None = None) -> None:
         """Wait for every rank, then return on all of them, or raise the same error on all of them.
 
-        Once a failure is known, it waits a few seconds at most, for the ranks that are not busy elsewhere, then
-        raises. After it raised, the agreement is over: it raises the same error again if called again.
+        Once a failure is known, it waits until every rank has reported its outcome of the same stage (a rank still
+        busy with its work is waited for while its heartbeat moves; one that stopped responding is named as such), so
+        that every rank raises the same error naming the same ranks. After it raised, the agreement is over: it
+        raises the same error again if called again.
 
         Args:
             error: This rank's own failure, if it had one (an error that reports other ranks' failure, such as one that
@@ -343,7 +345,7 @@ class Agreement:
     def _leave_keys_behind(self) -> None:
         """Hand this block's keys over for deletion, once every rank is in a later block (see :meth:`discard_later`)."""
         assert self._store is not None
-        keys = ["failures", "failed", "failed/read"]
+        keys = ["failures", "failed/read", *(f"failed/{rank}" for rank in range(self._world_size))]
         for phase in range(self._agreements + 1):  # another rank may have reached one agreement more than this one
             keys += [f"agreement{phase}", f"agreement{phase}/read", f"any{phase}"]
         self.discard_later(self._store, keys)
@@ -380,22 +382,47 @@ class Agreement:
         return failures
 
     def _meet_after_failure(self, failures: dict[int, _Failure], phase: int) -> dict[int, _Failure]:
-        """Wait for the other ranks to learn of the failure (a few seconds at most), and read every rank's failure."""
+        """Wait until every rank has reported its outcome of this stage, or is known to be gone; read every failure.
+
+        Every rank waits for the same set of outcomes, so every rank names the same failed ranks, however far apart
+        they failed: a rank still busy with its work (alive: its heartbeat moves) is waited for, one that stopped
+        responding or never joined is named as such after ``_UNRESPONSIVE_AFTER_S``.
+
+        """
         assert self._store is not None
-        store = self._store
-        self.call(store.add, "failed", 1)
-        alive = self._world_size - sum(failure.unresponsive for failure in failures.values())
-        arrived = 0
+        assert self._liveness is not None
+        store, liveness = self._store, self._liveness
+        self._mark_arrived()
+        arrived: set[int] = set()
+        dead: set[int] = set()
 
-        def everyone_arrived() -> bool:
-            nonlocal arrived
-            arrived = int(self.call(store.add, "failed", 0))
-            return arrived >= alive
+        def everyone_reported() -> bool:
+            nonlocal failures
+            failures = self._failures(phase)
+            missing = [rank for rank in range(self._world_size) if rank not in arrived]
+            arrived.update(rank for rank in missing if self.call(store.check, [f"failed/{rank}"]))
+            # Found dead by another rank, or by this one (a rank that published its error and was then killed keeps
+            # its error as its failure: the first record of each rank wins).
+            dead.update(rank for rank, failure in failures.items() if failure.unresponsive)
+            waiting = set(range(self._world_size)) - arrived - dead
+            if not waiting:
+                return True
+            for rank, joined in self.call(liveness.unresponsive).items():
+                if rank in waiting:
+                    dead.add(rank)
+                    self._append_failure(rank, _unresponsive_message(rank, joined), phase, unresponsive=True)
+            return False
 
-        poll_until(everyone_arrived, timeout=_FAILURE_GRACE_S, between=self._on_wait)
+        poll_until(everyone_reported, between=self._on_wait)
         failures = self._failures(phase)
-        self._leave("failed/read", expected=min(arrived, alive))
+        self._leave("failed/read", expected=len(arrived))
         return failures
+
+    def _mark_arrived(self) -> None:
+        """Tell the others that this rank has reported its outcome, and will not add a failure to this block."""
+        assert self._store is not None
+        with suppress(RuntimeError):  # the store is gone: the others notice it at their next operation
+            self._store.set(f"failed/{self._rank}", "1")
 
     def _failures(self, phase: int) -> dict[int, _Failure]:
         """The failures published in the phases up to ``phase``: the work before agreement ``phase``, and earlier.
