@@ -25,7 +25,7 @@ from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathErr
 from lightning_fsdp.loading.files import CheckpointPath, StoragePath
 from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
-from lightning_fsdp.loading.remote import is_remote, remote_path
+from lightning_fsdp.loading.remote import RemoteTimeouts, is_remote, remote_path
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
 
@@ -37,6 +37,7 @@ class LoadingStrategy(Protocol):
     load_progress: bool
     _load_rename: Rename | None
     _load_storage_options: Mapping[str, Any] | None
+    _load_remote_timeouts: RemoteTimeouts
 
     @property
     def world_size(self) -> int: ...
@@ -66,6 +67,7 @@ def init_loading_options(strategy: LoadingStrategy, concurrency: Any, progress: 
     strategy.load_progress = progress
     strategy._load_rename = None
     strategy._load_storage_options = None
+    strategy._load_remote_timeouts = RemoteTimeouts()
 
 
 def checkpoint_path(strategy: LoadingStrategy, path: Any) -> CheckpointPath:
@@ -76,7 +78,7 @@ def checkpoint_path(strategy: LoadingStrategy, path: Any) -> CheckpointPath:
 
     """
     if is_remote(path):
-        return remote_path(str(path), strategy._load_storage_options)
+        return remote_path(str(path), strategy._load_storage_options, strategy._load_remote_timeouts)
     return Path(path)
 
 
@@ -152,7 +154,11 @@ def rank_info(strategy: LoadingStrategy) -> RankInfo:
 
 @contextmanager
 def load_options(
-    strategy: LoadingStrategy, rename: Rename | None, storage_options: Mapping[str, Any] | None = None
+    strategy: LoadingStrategy,
+    rename: Rename | None,
+    storage_options: Mapping[str, Any] | None = None,
+    request_timeout: float | None = None,
+    stall_timeout: float | None = None,
 ) -> Iterator[None]:
     """Set the options of the loads inside the block on ``strategy``, and restore the previous ones after it."""
     check_rename(rename)
@@ -160,12 +166,21 @@ def load_options(
         raise TypeError(
             f"`load_options(storage_options=...)` takes a dict of fsspec options, got {type(storage_options).__name__}."
         )
-    previous = strategy._load_rename, strategy._load_storage_options
-    strategy._load_rename, strategy._load_storage_options = rename, storage_options
+    for name, value in (("request_timeout", request_timeout), ("stall_timeout", stall_timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"`load_options({name}=...)` takes a number of seconds greater than 0, got {value!r}.")
+    defaults = RemoteTimeouts()
+    timeouts = RemoteTimeouts(float(request_timeout or defaults.request), float(stall_timeout or defaults.stall))
+    previous = strategy._load_rename, strategy._load_storage_options, strategy._load_remote_timeouts
+    strategy._load_rename, strategy._load_storage_options, strategy._load_remote_timeouts = (
+        rename,
+        storage_options,
+        timeouts,
+    )
     try:
         yield
     finally:
-        strategy._load_rename, strategy._load_storage_options = previous
+        strategy._load_rename, strategy._load_storage_options, strategy._load_remote_timeouts = previous
 
 
 def raise_if_path_refused(path: CheckpointPath, error: Exception, raw: bool, strategy: str, shards: str) -> None:

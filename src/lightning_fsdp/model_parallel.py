@@ -230,10 +230,14 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
             raise
 
     def load_options(
-        self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
+        self,
+        rename: Rename | None = None,
+        storage_options: dict[str, Any] | None = None,
+        request_timeout: float | None = None,
+        stall_timeout: float | None = None,
     ) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
-        return load_options(self, rename, storage_options)
+        return load_options(self, rename, storage_options, request_timeout, stall_timeout)
 
 
 @contextmanager

@@ -302,7 +302,11 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
             raise
 
     def load_options(
-        self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
+        self,
+        rename: Rename | None = None,
+        storage_options: dict[str, Any] | None = None,
+        request_timeout: float | None = None,
+        stall_timeout: float | None = None,
     ) -> AbstractContextManager:
         """Options for the loads inside the ``with`` block: ``fabric.load`` and ``fabric.load_raw`` take none.
 
@@ -323,11 +327,19 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for ``s3fs``. By default fsspec's usual
                 configuration applies (environment variables, the provider's config files).
 
+            request_timeout: Object storage only: seconds after which a request that has received nothing (no
+                answer, or no byte of its body) is abandoned and retried. Default: 30.
+
+            stall_timeout: Object storage only: seconds after which a rank whose requests have received no byte,
+                retries included, ends the load with a :class:`~lightning_fsdp.CheckpointLoadError` on every rank
+                naming the object and the range. Default: 60.
+
         Raises:
             TypeError: If ``rename`` is neither a mapping of prefixes nor a callable, or ``storage_options`` not a dict.
+            ValueError: If a timeout is not a number of seconds greater than 0.
 
         """
-        return load_options(self, rename, storage_options)
+        return load_options(self, rename, storage_options, request_timeout, stall_timeout)
 
     def _set_up_on_cpu(self) -> bool:
         # Upstream reads `root_device` only once the devices are set; a strategy built without them is never on CPU.

@@ -12,6 +12,7 @@ import io
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +255,103 @@ def test_store_faults_give_one_clear_error_on_every_rank(object_store: ObjectSto
             assert KEY not in message, f"{case}: {message}"
             assert SECRET not in message, f"{case}: {message}"
         assert messages[0] == messages[1], f"{case}: the ranks disagree: {messages}"
+
+
+_TENSOR_RANGE = (
+    remote.BLOCK_BYTES + 1
+)  # the faults below hit the tensors' ranges, not the small reads of the structures
+#: The timeouts of the stalled cases: short, so that the test takes seconds; the bound is what is tested.
+_REQUEST_TIMEOUT_S, _STALL_TIMEOUT_S = 2.0, 5.0
+#: How long a stalled store holds a request before it gives up by itself (the load must end long before).
+_STALL_S = 60
+
+_LYING_CASES = {
+    "a tensor's range redirected to another server's zeros": (
+        [{"kind": "redirect", "total": 1048576, "etag": "0" * 32, "count": -1, "min_range_bytes": _TENSOR_RANGE}],
+        "with bytes of another object: its Content-Range",
+    ),
+    "a tensor's range redirected to an object of the same size with another ETag": (
+        [{"kind": "redirect", "total": None, "etag": "f" * 32, "count": -1, "min_range_bytes": _TENSOR_RANGE}],
+        "with bytes of another object: its ETag is 'ffffffffffffffffffffffffffffffff'",
+    ),
+    "every read redirected to a mirror of the same object": ([{"kind": "redirect", "mirror": True, "count": -1}], None),
+    "the store stops answering a tensor's range": (
+        [{"kind": "stall", "seconds": _STALL_S, "count": -1, "min_range_bytes": _TENSOR_RANGE}],
+        "stopped answering: no byte of the range",
+    ),
+    "the store stops answering the first request": (
+        [{"kind": "stall", "seconds": _STALL_S, "count": -1, "method": "HEAD", "ranged": False}],
+        f"did not answer within {_REQUEST_TIMEOUT_S:g} s",
+    ),
+    "a tensor's range cut short on every attempt": (
+        [{"kind": "reset", "count": -1, "min_range_bytes": _TENSOR_RANGE, "skip": 1}],
+        "partially loaded",
+    ),
+}
+
+
+def _lying_store(proxy: str, options: dict, expected_path: str, size: int) -> dict[str, Any]:
+    remote.FIRST_BACKOFF_S = 0.02
+    without_client_retries()
+    fabric = _fabric("fsdp1")
+    expected = torch.load(expected_path, weights_only=True)
+    url = f"s3://{BUCKET}/lying/model.pt"
+    outcomes: dict[str, Any] = {}
+    timeouts = {"request_timeout": _REQUEST_TIMEOUT_S, "stall_timeout": _STALL_TIMEOUT_S}
+    with fabric.strategy.load_options(storage_options=options, **timeouts):
+        for case, (rules, _) in _LYING_CASES.items():
+            if fabric.global_rank == 0:
+                set_faults(proxy, [{**rule, "total": rule.get("total") or size} for rule in rules])
+            fabric.barrier()
+            model, _ = _fresh(fabric, seed=3)
+            before = gather_full_state(model)["model"]
+            started = time.monotonic()
+            try:
+                fabric.load_raw(url, model)
+            except CheckpointLoadError as error:
+                outcomes[case] = str(error)
+                if "partially loaded" not in str(error):
+                    assert_same_state(gather_full_state(model)["model"], before, case)
+            else:
+                outcomes[case] = "loaded"
+                assert_same_state(gather_full_state(model)["model"], expected, case)
+            outcomes[f"{case} took"] = time.monotonic() - started
+            fabric.barrier()
+            if fabric.global_rank == 0:
+                outcomes[f"{case} fired"] = proxy_stats(proxy)["fired"]
+                set_faults(proxy, [])
+            fabric.barrier()
+            if outcomes[case] != "loaded":
+                # What a user does next: the same load (with the default timeouts), once the store serves the object.
+                with fabric.strategy.load_options(storage_options=options):
+                    fabric.load_raw(url, model)
+                assert_same_state(gather_full_state(model)["model"], expected, f"{case}, loaded again")
+    return outcomes
+
+
+def test_a_lying_or_stalled_store_is_refused_within_a_bound(object_store: ObjectStore, tmp_path):  # noqa: F811
+    """A redirect to another server's bytes is refused (a mirror of the same object is not), a store that stops
+    answering ends the load within the stall timeout, and each case ends with the same error on every rank."""
+    torch.manual_seed(0)
+    local = tmp_path / "model.pt"
+    torch.save(TinyTransformer(width=_WIDTH).state_dict(), local)
+    object_store.upload(local, "lying")
+    outcomes = run_distributed(
+        _lying_store, object_store.proxy, object_store.storage_options(), str(local), local.stat().st_size, devices=2
+    )
+    for case, (_, pattern) in _LYING_CASES.items():
+        assert outcomes[0][f"{case} fired"] > 0, f"{case}: the proxy made none of its faults"
+        messages = [rank[case] for rank in outcomes]
+        assert messages[0] == messages[1], f"{case}: the ranks disagree: {messages}"
+        if pattern is None:
+            assert messages[0] == "loaded", f"{case}: {messages[0]}"
+        else:
+            assert pattern in messages[0], f"{case}: {messages[0]}"
+            assert "s3://checkpoints/lying/model.pt" in messages[0], f"{case}: {messages[0]}"
+        if "stops answering" in case:
+            # The bound: the stall timeout, one more request timeout at most, and the agreement's polling.
+            took = max(rank[f"{case} took"] for rank in outcomes)
+            assert took < _STALL_TIMEOUT_S + _REQUEST_TIMEOUT_S + 5.0, f"{case}: {took:.1f} s"
 
 
 def _sharded_fabric(strategy: str) -> Fabric:

@@ -10,11 +10,19 @@ the slices themselves, never the whole object, and keeps no local copy. What it 
 A large range is fetched as chunks on a bounded pool of threads, each written into its place in the destination;
 small reads (zip headers, the pickles) are served from blocks of :data:`BLOCK_BYTES`, so adjacent small reads cost one
 request. A failed request is retried with bounded exponential backoff, except where retrying cannot help (missing
-object, access denied). The first size and ETag (or version) seen for an object are pinned: a later request finding
-another object, or a different size, is an error, as a replaced local file is.
+object, access denied, an answer from another object). The first size and ETag (or version) seen for an object are
+pinned: a later request finding another object, or a different size, is an error, as a replaced local file is.
 
-From S3 (s3fs), a chunk of :data:`STREAMED_CHUNK_BYTES` is copied into its destination piece by piece as its body
-arrives, once the answer's ``Content-Range`` has proven which bytes it holds: a request holds no more than the client's
+Every wait on the store is bounded: a request that receives nothing for :data:`REQUEST_TIMEOUT_S` (no answer, or no
+byte of its body) is abandoned and retried, and a rank whose requests have received no byte for
+:data:`STALL_TIMEOUT_S`, retries included, ends its load with an error naming the object and the range (both are set
+per load with ``load_options(request_timeout=..., stall_timeout=...)``).
+
+From S3 (s3fs), every read, small or large, is a ranged ``GET`` whose answer must prove that it comes from the pinned
+object: its ``Content-Range`` names the range asked for and the pinned size, and its ETag (where the store sends one)
+is the pinned ETag. An answer that a redirect brought from another endpoint is taken only if it proves the same. A
+chunk of :data:`STREAMED_CHUNK_BYTES` is copied into its destination piece by piece as its body arrives, once its
+headers have proven which bytes it holds: a request holds no more than the client's
 socket buffers and one piece. fsspec's other file systems return a range's body whole, as ``bytes``, so their chunks
 are :data:`CHUNK_BYTES` and a process holds at most :data:`MAX_IN_FLIGHT_BYTES` of them at once, whatever the number of
 chunks, readers and threads: fetching costs a bounded amount of memory, not one that grows with the requests in flight.
@@ -22,6 +30,7 @@ chunks, readers and threads: fetching costs a bounded amount of memory, not one 
 Upstream destination: ``src/lightning/fabric/utilities/load.py``, next to ``cloud_io``.
 """
 
+import asyncio
 import fnmatch
 import io
 import os
@@ -58,6 +67,10 @@ MAX_IN_FLIGHT_BYTES = 16 * 2**20
 ATTEMPTS = 5
 FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 3.0
+#: A request that receives nothing for this long (no answer, or no byte of its body) is abandoned and retried.
+REQUEST_TIMEOUT_S = 30.0
+#: A rank whose requests to the store have received no byte for this long, retries included, ends its load.
+STALL_TIMEOUT_S = 60.0
 _CACHED_BLOCKS = 16
 #: Environment variables whose values must never appear in a message.
 _SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_KEY")
@@ -84,9 +97,47 @@ class RemoteStat:
     st_size: int
     fingerprint: tuple[Any, ...]
     """Size, ETag (or checksum), version and modification time, as far as the store reports them."""
+    etag: str | None = None
+    """The ETag without its quotes, if the store reports one: every ranged answer must carry the same."""
     st_mode: int = stat.S_IFREG
     st_ino: int = 0
     st_dev: int = 0
+
+
+@dataclass(frozen=True)
+class RemoteTimeouts:
+    """How long a load waits on the store: see :data:`REQUEST_TIMEOUT_S` and :data:`STALL_TIMEOUT_S`."""
+
+    request: float = REQUEST_TIMEOUT_S
+    stall: float = STALL_TIMEOUT_S
+
+
+class _Progress:
+    """When this rank last received a byte from the store, while any of its requests waits for one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._since = time.monotonic()
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        with self._lock:
+            if self._waiting == 0:  # nothing was awaited before this request: its wait starts now
+                self._since = time.monotonic()
+            self._waiting += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting -= 1
+
+    def arrived(self) -> None:
+        self._since = time.monotonic()
+
+    def idle_s(self) -> float:
+        """How long the requests waiting now have received nothing."""
+        return time.monotonic() - self._since
 
 
 class RemotePath(StoragePath):
@@ -145,7 +196,7 @@ class RemotePath(StoragePath):
         """The store's description of this path, fresh (not from a listing cached earlier); ``None`` if absent."""
         self.fs.invalidate_cache(self.fs_path)
         try:
-            return self.fs.info(self.fs_path)
+            return self.call("info", self.fs_path)
         except FileNotFoundError:
             return None
         except Exception as error:
@@ -164,7 +215,7 @@ class RemotePath(StoragePath):
 
     def iterdir(self) -> Iterator["RemotePath"]:
         try:
-            names = self.fs.ls(self.fs_path, detail=False)
+            names = self.call("ls", self.fs_path, detail=False)
         except Exception as error:
             raise self.request_error(error, "cannot be listed") from None
         for name in names:
@@ -221,9 +272,36 @@ class RemotePath(StoragePath):
                 " checkpoint while it is being loaded; load it again once it is complete."
             )
 
+    @property
+    def timeouts(self) -> RemoteTimeouts:
+        return self._shared.timeouts
+
+    @property
+    def progress(self) -> _Progress:
+        return self._shared.progress
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``fs.method(*args, **kwargs)``, abandoned after ``timeouts.request`` where the file system is asynchronous.
+
+        Raises:
+            TimeoutError: If the store did not answer in time.
+
+        """
+        coroutine = getattr(self.fs, f"_{method}", None)
+        if not getattr(self.fs, "async_impl", False) or coroutine is None:
+            return getattr(self.fs, method)(*args, **kwargs)
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, _within, self.timeouts.request, coroutine, *args, **kwargs)
+
     def request_error(self, error: BaseException, happened: str) -> CheckpointLoadError:
         """The error for a request on this path that failed for good; credentials never appear in it."""
-        if isinstance(error, PermissionError):
+        if isinstance(error, TimeoutError):
+            reason = (
+                f"the store did not answer within {self.timeouts.request:g} s (`load_options(request_timeout=...)`)."
+                " Check the endpoint and the network"
+            )
+        elif isinstance(error, PermissionError):
             reason = (
                 "access was denied. Check the credentials (fsspec's usual configuration: environment variables, the"
                 " provider's config files, or `storage_options`) and the object's permissions"
@@ -240,8 +318,15 @@ class RemotePath(StoragePath):
         return message
 
 
-def remote_path(url: str, storage_options: Mapping[str, Any] | None = None) -> RemotePath:
+def remote_path(
+    url: str, storage_options: Mapping[str, Any] | None = None, timeouts: RemoteTimeouts | None = None
+) -> RemotePath:
     """Open the file system of ``url`` through fsspec, with ``storage_options`` (credentials, endpoint, ...).
+
+    Args:
+        url: The object's (or prefix's) URL.
+        storage_options: Options of the fsspec file system.
+        timeouts: How long requests and the load wait on the store (by default :class:`RemoteTimeouts`' defaults).
 
     Raises:
         CheckpointLoadError: If fsspec does not know the URL's protocol or its package is not installed.
@@ -259,15 +344,23 @@ def remote_path(url: str, storage_options: Mapping[str, Any] | None = None) -> R
         ) from None
     except ValueError as error:
         raise CheckpointLoadError(f"fsspec cannot open the URL {url!r}: {first_line(error)}") from None
-    return RemotePath(fs, fs_path, protocol, tuple(_secrets(storage_options or {})))
+    shared = _Shared(timeouts=timeouts or RemoteTimeouts())
+    return RemotePath(fs, fs_path, protocol, tuple(_secrets(storage_options or {})), shared)
 
 
 @dataclass
 class _Shared:
-    """What the paths made from one URL share: the pinned size and ETag of each object, and its cached blocks."""
+    """What the paths made from one URL share.
+
+    The pinned size and ETag of each object, its cached blocks, the load's timeouts and when its requests last received
+    a byte.
+
+    """
 
     pins: dict[str, RemoteStat] = field(default_factory=dict)
     blocks: dict[str, "OrderedDict[int, bytes]"] = field(default_factory=dict)
+    timeouts: RemoteTimeouts = field(default_factory=RemoteTimeouts)
+    progress: _Progress = field(default_factory=_Progress)
 
 
 class RemoteFile(StorageFile):
@@ -313,10 +406,10 @@ class RemoteFile(StorageFile):
         def fetch_chunk(chunk: tuple[int, int]) -> None:
             start, stop = chunk
             if streamed:
-                self._stream_into(offset + start, buffer[start:stop])
+                self._stream_into(offset + start, buffer[start:stop], what)
                 return
             with _in_flight.hold(stop - start):  # the body is dropped once copied, before the budget is released
-                buffer[start:stop] = self._fetch(offset + start, offset + stop)
+                buffer[start:stop] = self._fetch(offset + start, offset + stop, what)
 
         if len(chunks) == 1:
             fetch_chunk(chunks[0])
@@ -346,27 +439,41 @@ class RemoteFile(StorageFile):
             if block is not None:
                 self._blocks.move_to_end(index)
                 return block
-        block = self._fetch(index * BLOCK_BYTES, min((index + 1) * BLOCK_BYTES, self.size))
+        block = self._fetch(index * BLOCK_BYTES, min((index + 1) * BLOCK_BYTES, self.size), "the structures")
         with self._lock:
             self._blocks[index] = block
             while len(self._blocks) > _CACHED_BLOCKS:
                 self._blocks.popitem(last=False)
         return block
 
-    def _fetch(self, start: int, stop: int) -> bytes:
+    def _fetch(self, start: int, stop: int, what: str) -> bytes:
         """Bytes ``[start, stop)`` of the object, retried with backoff; exactly that many or an error."""
-        fs, fs_path = self.path.fs, self.path.fs_path
-        data = _with_retries(lambda: fs.cat_file(fs_path, start=start, end=stop), self, stop - start, len)
+        if _streams_ranges(self.path.fs):  # S3: through the answer's checks, as every read from S3
+            data = bytearray(stop - start)
+            self._stream_into(start, memoryview(data), what)
+            return bytes(data)
+        path = self.path
+
+        def request() -> bytes:
+            answer = path.call("cat_file", path.fs_path, start=start, end=stop)
+            path.progress.arrived()
+            return answer
+
+        data = _with_retries(request, self, (start, stop), what, len)
         count_fetched(len(data))
         return data
 
-    def _stream_into(self, start: int, destination: memoryview) -> None:
+    def _stream_into(self, start: int, destination: memoryview, what: str) -> None:
         """Fill ``destination`` with the object's bytes from ``start`` on, as they arrive; retried with backoff."""
         from fsspec.asyn import sync
 
-        fs, fs_path = self.path.fs, self.path.fs_path
+        path, pinned = self.path, self.path.stat()
         _with_retries(
-            lambda: sync(fs.loop, _stream_s3_range, fs, fs_path, start, destination), self, len(destination), int
+            lambda: sync(path.fs.loop, _stream_s3_range, path, pinned, start, destination),
+            self,
+            (start, start + len(destination)),
+            what,
+            int,
         )
 
     def stream(self) -> io.BufferedReader:
@@ -412,31 +519,61 @@ class _RemoteStream(io.RawIOBase):
 
 
 def _with_retries(
-    request: Callable[[], _Answer], file: RemoteFile, expected: int, size: Callable[[_Answer], int]
+    request: Callable[[], _Answer],
+    file: RemoteFile,
+    byte_range: tuple[int, int],
+    what: str,
+    size: Callable[[_Answer], int],
 ) -> _Answer:
-    """Run ``request`` until its answer holds ``expected`` bytes, with bounded backoff, or raise one clear error.
+    """Run ``request`` until its answer holds the bytes of ``byte_range``, with bounded backoff, or raise a clear error.
 
-    ``size`` counts the bytes of an answer. A missing object or a denied access is not retried: it will not change.
+    ``size`` counts the bytes of an answer. A missing object, a denied access or an answer from another object is not
+    retried: it will not change. Retries end early once the rank's requests have received nothing for
+    ``timeouts.stall`` seconds.
 
     """
+    path = file.path
+    expected = byte_range[1] - byte_range[0]
     backoff = FIRST_BACKOFF_S
-    for attempt in range(ATTEMPTS):
-        try:
-            data = request()
-        except (FileNotFoundError, PermissionError) as error:
-            file.check_unchanged()  # a replaced or deleted object says so
-            raise file.path.request_error(error, "cannot be read") from None
-        except Exception as error:  # transient errors of any client: 5xx, throttling, reset connections, timeouts
-            failure: BaseException = error
-        else:
-            if size(data) == expected:
-                return data
-            failure = OSError(f"the store returned {size(data)} of {expected} bytes")
-        if attempt + 1 < ATTEMPTS:
+    with path.progress.waiting():
+        for attempt in range(ATTEMPTS):
+            try:
+                data = request()
+            except (FileNotFoundError, PermissionError) as error:
+                file.check_unchanged()  # a replaced or deleted object says so
+                raise path.request_error(error, "cannot be read") from None
+            except _ForeignAnswer as error:
+                file.check_unchanged()  # the object was replaced: the answer was right, the load cannot go on
+                raise CheckpointLoadError(
+                    path.redact(
+                        f"The object {str(path)!r} answered the range {byte_range[0]}-{byte_range[1] - 1} ({what})"
+                        f" with bytes of another object: {error}. Nothing of it was used. A redirect to another"
+                        " endpoint, a proxy or a cache in front of the store serves another object under this URL:"
+                        " check the endpoint (`storage_options`) and what sits in front of it."
+                    )
+                ) from None
+            except Exception as error:  # transient errors of any client: 5xx, throttling, resets, timeouts
+                failure: BaseException = error
+            else:
+                if size(data) == expected:
+                    return data
+                failure = OSError(f"the store returned {size(data)} of {expected} bytes")
+            stalled = path.progress.idle_s() + backoff >= path.timeouts.stall
+            if stalled or attempt + 1 == ATTEMPTS:
+                break
             time.sleep(backoff)
             backoff = min(2 * backoff, _MAX_BACKOFF_S)
+    if path.progress.idle_s() + backoff >= path.timeouts.stall:
+        raise CheckpointLoadError(
+            path.redact(
+                f"The object {str(path)!r} stopped answering: no byte of the range {byte_range[0]}-{byte_range[1] - 1}"
+                f" ({what}) arrived for {path.progress.idle_s():.0f} s, after {attempt + 1} attempt(s) (the last:"
+                f" {type(failure).__name__}: {first_line(failure) or 'no answer'}). Check the endpoint and the network;"
+                f" `load_options(stall_timeout=...)` sets how long a load waits (now {path.timeouts.stall:g} s)."
+            )
+        )
     file.check_unchanged()
-    raise file.path.request_error(failure, f"could not be read after {ATTEMPTS} attempts")
+    raise path.request_error(failure, f"could not be read after {ATTEMPTS} attempts")
 
 
 def _streams_ranges(fs: Any) -> bool:
@@ -444,24 +581,46 @@ def _streams_ranges(fs: Any) -> bool:
     return bool(getattr(fs, "async_impl", False)) and callable(getattr(fs, "_call_s3", None))
 
 
-async def _stream_s3_range(fs: Any, fs_path: str, start: int, destination: memoryview) -> int:
+class _ForeignAnswer(OSError):
+    """An answer whose headers show that it holds bytes of another object (another size or ETag)."""
+
+
+async def _within(seconds: float, coroutine: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``await coroutine(*args, **kwargs)``, cancelled after ``seconds`` (then ``TimeoutError``)."""
+    return await asyncio.wait_for(coroutine(*args, **kwargs), seconds)
+
+
+async def _stream_s3_range(path: RemotePath, pinned: RemoteStat, start: int, destination: memoryview) -> int:
     """Copy the S3 object's bytes from ``start`` on into ``destination`` as they arrive; return the count copied.
 
-    The count is short if the answer ended early (a reset connection): the caller retries.
+    Each wait (for the answer, for a piece of its body) ends after ``timeouts.request`` seconds, or sooner if the
+    rank's requests have then received nothing for ``timeouts.stall``. The count is short if the answer ended early
+    (a reset connection): the caller retries.
 
     Raises:
         OSError: If the answer does not hold exactly the range asked for (a store that ignores ``Range`` answers with
             the whole object, which must not land at ``start``).
+        _ForeignAnswer: If the answer is from another object: its ``Content-Range`` gives another size, or its ETag is
+            not the pinned one.
+        TimeoutError: If the store sent nothing for too long.
 
     """
-    bucket, key, version = fs.split_path(fs_path)
+    fs, timeouts, progress = path.fs, path.timeouts, path.progress
+
+    def timeout() -> float:
+        return max(0.0, min(timeouts.request, timeouts.stall - progress.idle_s()))
+
+    bucket, key, version = fs.split_path(path.fs_path)
     stop = start + len(destination)
-    answer = await fs._call_s3(
-        "get_object",
-        Bucket=bucket,
-        Key=key,
-        Range=f"bytes={start}-{stop - 1}",
-        **({"VersionId": version} if version else {}),
+    answer = await asyncio.wait_for(
+        fs._call_s3(
+            "get_object",
+            Bucket=bucket,
+            Key=key,
+            Range=f"bytes={start}-{stop - 1}",
+            **({"VersionId": version} if version else {}),
+        ),
+        timeout(),
     )
     body = answer["Body"]
     try:
@@ -471,13 +630,23 @@ async def _stream_s3_range(fs: Any, fs_path: str, start: int, destination: memor
                 f"the store answered the range {start}-{stop - 1} with {served or 'no Content-Range'} and"
                 f" {answer.get('ContentLength')} bytes"
             )
+        total = served.rpartition("/")[2]
+        if total != str(pinned.st_size):
+            raise _ForeignAnswer(
+                f"its Content-Range {served!r} gives a size of {total}, the object holds {pinned.st_size}"
+            )
+        etag = _bare_etag(answer.get("ETag"))
+        if etag is not None and pinned.etag is not None and etag != pinned.etag:
+            raise _ForeignAnswer(f"its ETag is {etag!r}, the object's is {pinned.etag!r}")
+        progress.arrived()
         copied = 0
         while copied < len(destination):
-            piece = await body.read(min(STREAMED_PIECE_BYTES, len(destination) - copied))
+            piece = await asyncio.wait_for(body.read(min(STREAMED_PIECE_BYTES, len(destination) - copied)), timeout())
             if not piece:
                 break
             destination[copied : copied + len(piece)] = piece
             copied += len(piece)
+            progress.arrived()
             count_fetched(len(piece))
         return copied
     finally:
@@ -514,7 +683,14 @@ def _stat_of(info: Mapping[str, Any]) -> RemoteStat:
     tag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("crc32c")
     version = info.get("VersionId") or info.get("version_id") or info.get("generation")
     modified = info.get("LastModified") or info.get("mtime") or info.get("updated") or info.get("created")
-    return RemoteStat(size, (size, tag, version, str(modified)))
+    return RemoteStat(size, (size, tag, version, str(modified)), etag=_bare_etag(tag))
+
+
+def _bare_etag(tag: Any) -> str | None:
+    """An ETag without its quotes (and weak prefix): stores quote them in some answers and not in others."""
+    if not isinstance(tag, str) or not tag:
+        return None
+    return tag.removeprefix("W/").strip('"')
 
 
 def _secrets(options: Mapping[str, Any]) -> Iterator[str]:

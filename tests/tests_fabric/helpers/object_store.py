@@ -86,6 +86,14 @@ class FaultProxy:
                     return
                 if rule is not None and rule["kind"] == "replace":
                     proxy.replace(rule["key"], rule["flip_at"])
+                if rule is not None and rule["kind"] == "redirect":  # to another server on loopback
+                    proxy.impostor.rule = rule
+                    self._reply(307, b"", {"Location": proxy.impostor.url + self.path})
+                    return
+                if rule is not None and rule["kind"] == "stall":  # accept, read the request, never answer
+                    proxy.released.wait(min(float(rule.get("seconds", 30)), 120.0))
+                    self.close_connection = True
+                    return
                 connection = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
                 if rule is not None and rule["kind"] == "unranged":  # a store that ignores `Range`: the whole object
@@ -139,6 +147,9 @@ class FaultProxy:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
         self.client: Any = None
+        #: Set to end the stalls at once (they end by themselves after their ``seconds``).
+        self.released = threading.Event()
+        self.impostor = _Impostor()
 
     def replace(self, key: str, flip_at: float) -> None:
         """Replace the object ``key`` by one of the same size with one byte changed (a new ETag): the byte at the
@@ -146,6 +157,59 @@ class FaultProxy:
         data = bytearray(self.client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
         data[int(len(data) * flip_at)] ^= 0xFF
         self.client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+
+    def stop(self) -> None:
+        self.released.set()
+        self.impostor.stop()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+
+class _Impostor:
+    """Another server on loopback, where the proxy's ``redirect`` faults send a request.
+
+    With ``"mirror": True`` in the rule it serves the real object (read from the S3 server), as a mirror would;
+    otherwise zeros for the range asked for, with the rule's ``total`` in ``Content-Range`` and its ``etag``, as
+    another object under the same name would.
+
+    """
+
+    def __init__(self) -> None:
+        self.rule: dict[str, Any] = {}
+        self.client: Any = None
+        impostor = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                rule = impostor.rule
+                first, _, last = (self.headers.get("Range") or "bytes=0-0").removeprefix("bytes=").partition("-")
+                if rule.get("mirror"):  # the same object, read with the store's own client
+                    bucket, key = self.path.split("?")[0].lstrip("/").split("/", 1)
+                    answer = impostor.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={first}-{last}")
+                    data = answer["Body"].read()
+                    content_range, etag = answer["ContentRange"], answer["ETag"]
+                else:
+                    data = bytes(int(last) - int(first) + 1)
+                    content_range, etag = f"bytes {first}-{last}/{rule['total']}", f'"{rule["etag"]}"'
+                self.send_response(206)
+                self.send_header("Content-Range", content_range)
+                self.send_header("ETag", etag)
+                self.send_header("Content-Type", "binary/octet-stream")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -235,7 +299,7 @@ def object_store() -> Iterator[ObjectStore]:
     )
     client.create_bucket(Bucket=BUCKET)
     proxy = FaultProxy(int(endpoint.rsplit(":", 1)[1]))
-    proxy.client = client
+    proxy.client = proxy.impostor.client = client
     try:
         yield ObjectStore(endpoint, proxy.url, client)
     finally:
