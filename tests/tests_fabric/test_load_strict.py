@@ -104,3 +104,88 @@ def test_strict_and_non_strict(tmp_path):
     paths["partial"] = str(write_checkpoint(partial, tmp_path / "partial", "safetensors"))
     paths["sharded"] = convert_checkpoint(paths["raw"], tmp_path / "sharded").output
     assert run_distributed(_strictness, paths, devices=2) == [True, True]
+
+
+def _sequential() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def _load_as_advised(path: str, expected_path: str) -> str:
+    """Load a file with one mistyped name, take the rename the error advises, and load with exactly that."""
+    import ast
+    import re
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={torch.nn.Linear}))
+    fabric.launch()
+    expected = torch.load(expected_path, weights_only=True)
+    fabric.seed_everything(3)
+    with fabric.init_module(empty_init=True):
+        model = _sequential()
+    model = fabric.setup_module(model)
+    before = gather_full_state(model)["model"]
+    with pytest.raises(CheckpointLoadError) as error:
+        fabric.load_raw(path, model)
+    message = str(error.value)
+    assert_same_state(gather_full_state(model)["model"], before)
+    advised = re.search(r"`with fabric\.strategy\.load_options\(rename=(\{[^`]*\})\):`", message)
+    assert advised is not None, message
+    with fabric.strategy.load_options(rename=ast.literal_eval(advised.group(1))):
+        fabric.load_raw(path, model)
+    loaded = gather_full_state(model)["model"]
+    assert set(loaded) == set(expected)
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected), message
+    return message
+
+
+def test_a_mistyped_name_is_advised_as_a_rename_that_loads_exactly(tmp_path):
+    """`2.wieght` in the file, `2.weight` in the model: the error gives the rename to paste; it loads every tensor."""
+    torch.manual_seed(0)
+    state_dict = _sequential().state_dict()
+    torch.save(state_dict, tmp_path / "expected.pt")
+    mistyped = {("2.wieght" if name == "2.weight" else name): tensor for name, tensor in state_dict.items()}
+    path = write_checkpoint(mistyped, tmp_path / "mistyped", "safetensors")
+    for message in run_distributed(_load_as_advised, str(path), str(tmp_path / "expected.pt"), devices=2):
+        assert "`with fabric.strategy.load_options(rename={'2.wieght': '2.weight'}):`" in message, message
+        # `strict=False` appears only to say that it would not load '2.weight'.
+        assert "`strict=False` is not the fix: it would not load '2.weight'" in message, message
+        assert "To load only the tensors that match" not in message
+
+
+def _plan_error(targets: dict[str, tuple], checkpoint: dict[str, tuple], **kwargs) -> str:
+    from lightning_fsdp.loading.sources import TensorSpec
+    from lightning_fsdp.loading.validation import TargetSpec, plan_load
+
+    with pytest.raises(CheckpointLoadError) as error:
+        plan_load(
+            [TargetSpec((name,), shape, torch.float32) for name, shape in targets.items()],
+            {name: TensorSpec(shape, torch.float32) for name, shape in checkpoint.items()},
+            strict=True,
+            **kwargs,
+        )
+    return str(error.value)
+
+
+def test_names_that_do_not_pair_get_no_rename_and_strict_false_names_what_it_leaves():
+    """A mistyped name of another shape, or two mistyped names of one shape: no rename is guessed."""
+    model = {"0.weight": (8, 4), "0.bias": (8,), "2.weight": (3, 8), "2.bias": (3,)}
+    other_shape = {**{k: v for k, v in model.items() if k != "2.weight"}, "2.wieght": (3, 9)}
+    square = {"0.weight": (4, 4), "0.bias": (4,), "2.weight": (4, 4), "2.bias": (4,)}
+    ambiguous = {"0.wieght": (4, 4), "0.bias": (4,), "2.wieght": (4, 4), "2.bias": (4,)}
+    for targets, checkpoint, left in (
+        (model, other_shape, "('2.weight')"),
+        (square, ambiguous, "('0.weight', '2.weight')"),
+    ):
+        message = _plan_error(targets, checkpoint)
+        assert "rename" not in message, message
+        assert (
+            f"To load only the tensors that match, leaving the model's {left.count(',') + 1} missing tensor(s) {left}"
+            " as they were, pass `strict=False`." in message
+        ), message
+    # Behind a prefix, the pair is advised with the prefix; a prefix that leaves tensors out names them.
+    prefixed = {f"module.{'2.wieght' if k == '2.weight' else k}": v for k, v in model.items()}
+    message = _plan_error(model, prefixed)
+    assert "`with fabric.strategy.load_options(rename={'module.': '', 'module.2.wieght': '2.weight'}):`" in message
+    partial = {f"module.{k}": v for k, v in other_shape.items()}
+    message = _plan_error(model, partial)
+    assert "rename={'module.': ''}` and `strict=False`, 3 of the model's 4 tensors load, and the other 1" in message
+    assert "('2.weight') stay as they were" in message

@@ -190,11 +190,65 @@ def _refused(directory: str) -> str:
 
 
 def test_experts_of_another_configuration_are_refused_without_strict_false_advice(tmp_path):
-    """3 experts in the file, 4 in the model: the fused shapes differ, and `strict=False` is not offered."""
+    """3 experts in the file, 4 in the model: the missing expert is named, and `strict=False` is not offered."""
     directory = _save_pretrained(tmp_path / "mixtral", "mixtral")
     for message in run_distributed(_refused, directory, devices=2):
-        assert "'model.layers.0.mlp.experts.gate_up_proj': checkpoint (3, 20, 12), model (4, 20, 12)" in message
+        assert (
+            "'model.layers.0.mlp.experts.gate_up_proj': the model has 4 experts, the checkpoint 3 (checkpoint"
+            " (3, 20, 12), model (4, 20, 12)); the checkpoint lacks"
+            " 'model.layers.0.block_sparse_moe.experts.3.w1.weight',"
+            " 'model.layers.0.block_sparse_moe.experts.3.w3.weight'" in message
+        ), message
+        assert "lacks 'model.layers.0.block_sparse_moe.experts.3.w2.weight'" in message
         assert "strict=False" not in message
+
+
+def test_a_missing_expert_in_the_middle_is_named(tmp_path):
+    """The file lacks expert 1 of 3 (a lost shard): the message names it, not only the counts."""
+    directory = _save_pretrained(tmp_path / "mixtral", "mixtral")
+    state = load_file(f"{directory}/model.safetensors")
+    save_file({k: v for k, v in state.items() if ".experts.1." not in k}, f"{directory}/model.safetensors")
+    model = _model_class("mixtral")(_config("mixtral"))
+    opened = open_checkpoint(detect_checkpoint(Path(directory)), None, True)
+    try:
+        with pytest.raises(CheckpointLoadError, match=r"the model has 3 experts, the checkpoint 2") as error:
+            with_declared_conversions(model, opened.source, _targets(model))
+    finally:
+        opened.close()
+    assert "lacks 'model.layers.0.block_sparse_moe.experts.1.w1.weight'" in str(error.value)
+    assert "experts.0.w1" not in str(error.value)
+
+
+def _with_mixed_dtypes(directory: str) -> None:
+    """Rewrite the file with the experts 1 of every layer in bf16 and the rest in float32."""
+    path = f"{directory}/model.safetensors"
+    state = load_file(path)
+    save_file(
+        {k: v.to(torch.bfloat16) if ".experts.1." in k else v for k, v in state.items()},
+        path,
+        metadata={"format": "pt"},
+    )
+
+
+def test_experts_in_mixed_dtypes_are_cast_to_the_models_dtype(tmp_path):
+    """bf16 and float32 experts into a float32 model: each is cast, as `from_pretrained` casts them, bit-exact."""
+    directory = _save_pretrained(tmp_path / "mixtral", "mixtral")
+    _with_mixed_dtypes(directory)
+    dtypes = {v.dtype for k, v in load_file(f"{directory}/model.safetensors").items() if ".experts." in k}
+    assert dtypes == {torch.bfloat16, torch.float32}
+    reference = _model_class("mixtral").from_pretrained(directory, dtype=torch.float32).state_dict()
+    model = _model_class("mixtral")(_config("mixtral"))
+    opened = open_checkpoint(detect_checkpoint(Path(directory)), None, True)
+    try:
+        source = with_declared_conversions(model, opened.source, _targets(model))
+        name = "model.layers.0.mlp.experts.gate_up_proj"
+        assert source.specs()[name] == TensorSpec((3, 20, 12), torch.float32)
+        assert torch.equal(source.read(name), reference[name])
+        assert torch.equal(source.read_flat(name, 250, 500), reference[name].reshape(-1)[250:500])
+    finally:
+        opened.close()
+    # Sharded over two processes, every tensor as `from_pretrained` gives it.
+    assert run_distributed(_load_and_compare, directory, "mixtral", "fsdp1", devices=2) == [[], []]
 
 
 def test_a_transposed_piece_is_read_whole_and_transposed(tmp_path):

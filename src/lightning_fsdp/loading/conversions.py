@@ -17,6 +17,8 @@ Upstream destination: ``src/lightning/fabric/utilities/load.py``.
 """
 
 import bisect
+import functools
+import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -177,6 +179,7 @@ def with_declared_conversions(module: Module, source: TensorSource, targets: Seq
     specs = source.specs()
     target_names = {name for target in targets for name in target.names}
     target_shapes = {name: target.shape for target in targets for name in target.names}
+    target_dtypes = {name: target.dtype for target in targets for name in target.names}
     # target name -> (converter or None, source pattern -> checkpoint names, in transformers' order)
     groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
     for name in sorted(specs, key=dot_natural_key):
@@ -189,9 +192,74 @@ def with_declared_conversions(module: Module, source: TensorSource, targets: Seq
         _, by_pattern = groups.setdefault(renamed, (converter, {}))
         by_pattern.setdefault(pattern or name, []).append(name)
     composites = {}
+    lacking: list[str] = []
     for renamed, (converter, by_pattern) in groups.items():
-        composites[renamed] = build_composite(renamed, converter, by_pattern, specs, target_shapes.get(renamed))
+        composite = build_composite(
+            renamed, converter, by_pattern, specs, target_shapes.get(renamed), target_dtypes.get(renamed)
+        )
+        composites[renamed] = composite
+        lacking += _experts_lacking(renamed, by_pattern, composite.spec.shape, target_shapes.get(renamed))
+    if lacking:
+        raise CheckpointLoadError(
+            "The checkpoint does not hold the experts that the model has; nothing was loaded and the model is"
+            f" unchanged.\n- {chr(10).join(lacking) if len(lacking) <= _SHOWN else _more(lacking)}\nThe checkpoint"
+            " was saved from a model with another number of experts, or one of its files is missing: create the model"
+            " from the checkpoint's own configuration (`AutoConfig.from_pretrained(path)`), or restore the file."
+        )
     return ConvertedSource(source, composites) if composites else source
+
+
+def _more(items: list[str]) -> str:
+    return "\n- ".join(items[:_SHOWN]) + f"\n- ... ({len(items) - _SHOWN} more fused tensor(s))"
+
+
+def _experts_lacking(
+    name: str, by_pattern: Mapping[str, list[str]], shape: tuple[int, ...], expected: tuple[int, ...] | None
+) -> list[str]:
+    """What the checkpoint lacks (or holds beyond the model) for the fused ``name``, if its expert count differs.
+
+    Each source pattern of a ``MergeModulelist`` holds one ``*``, the expert's index in the checkpoint's names: where
+    the assembled shape differs from the model's in one dimension only, and that dimension counts the experts found,
+    the model's size there is its number of experts, and the indices it has that the checkpoint lacks are named.
+
+    """
+    if expected is None or len(shape) != len(expected) or shape == expected:
+        return []
+    differing = [dim for dim, (a, b) in enumerate(zip(shape, expected, strict=True)) if a != b]
+    if len(differing) != 1:
+        return []
+    count = expected[differing[0]]
+    absent: list[str] = []
+    beyond: list[str] = []
+    for pattern, names in by_pattern.items():
+        if pattern.count("*") != 1:
+            return []
+        before, after = pattern.split("*")
+        regex = re.compile(re.escape(before) + r"(\d+)" + re.escape(after))
+        found: dict[int, str] = {}
+        for checkpoint_name in names:
+            match = regex.search(checkpoint_name)
+            if match is None:
+                return []
+            found[int(match.group(1))] = checkpoint_name
+        if len(found) != shape[differing[0]]:
+            return []
+        template = next(iter(found.values()))
+        match = regex.search(template)
+        assert match is not None
+        absent += [
+            template[: match.start(1)] + str(i) + template[match.end(1) :] for i in range(count) if i not in found
+        ]
+        beyond += [found[i] for i in sorted(found) if i >= count]
+    if not absent and not beyond:
+        return []
+    parts = [f"{name!r}: the model has {count} experts, the checkpoint {shape[differing[0]]}"]
+    parts.append(f"(checkpoint {shape}, model {expected})")
+    if absent:
+        parts.append(f"; the checkpoint lacks {_listed(absent)}")
+    if beyond:
+        parts.append(f"; the model has no place for {_listed(beyond)}")
+    return [" ".join(parts[:2]) + "".join(parts[2:])]
 
 
 def _declared_transforms(module: Module) -> list[Any]:
@@ -222,11 +290,14 @@ def build_composite(
     by_pattern: dict[str, list[str]],
     specs: Mapping[str, TensorSpec],
     expected_shape: tuple[int, ...] | None,
+    expected_dtype: torch.dtype | None = None,
 ) -> Composite:
     """The target ``name`` made by ``converter`` (``None``: a renaming) of the checkpoint tensors ``by_pattern``.
 
     ``by_pattern`` maps each of the converter's source patterns to the checkpoint names it matched, in transformers'
     order (``dot_natural_key``); ``expected_shape`` is the model's shape of ``name`` (for a ``Transpose`` that checks).
+    Pieces of different floating-point dtypes (experts saved in bf16 and float32) are cast to ``expected_dtype``, the
+    model's, as ``from_pretrained`` casts each checkpoint tensor to the parameter's dtype before converting.
 
     """
     leaves = {
@@ -250,6 +321,10 @@ def build_composite(
         )
         result = _evaluate(name, operations, converter.source_patterns, leaves, described, expected_shape)
     dtypes = {specs[piece.name].dtype for piece in result.pieces}
+    if len(dtypes) > 1 and all(dtype.is_floating_point for dtype in dtypes):
+        # Each piece is cast as it is read (`read_flat_into` casts into the destination's dtype).
+        cast = expected_dtype if expected_dtype is not None and expected_dtype.is_floating_point else None
+        dtypes = {cast or functools.reduce(torch.promote_types, dtypes)}
     if len(dtypes) > 1:
         raise CheckpointLoadError(
             f"The checkpoint tensors that make {name!r} ({described}) have different dtypes"

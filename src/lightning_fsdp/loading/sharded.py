@@ -764,7 +764,12 @@ def _check_against_model(
     if mismatches:
         problems.append(f"{len(mismatches)} entr(y/ies) that cannot be loaded: {shown_items(mismatches)}")
     if problems:
-        fix = " To load only the tensors that match, pass `strict=False`." if strict and not mismatches else ""
+        leaving = f"leaving the model's {len(missing)} missing tensor(s) ({quoted_names(missing)}) as they were, "
+        fix = (
+            f" To load only the tensors that match, {leaving if missing else ''}pass `strict=False`."
+            if strict and not mismatches
+            else ""
+        )
         raise CheckpointLoadError(
             "The sharded checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
             + "\n- ".join(problems)

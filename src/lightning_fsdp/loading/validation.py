@@ -61,7 +61,7 @@ class DeclinedAlignment:
             f" holds by its exact name {exact!r} (an exact name always wins over the automatic alignment)"
         )
 
-    def advice(self) -> str:
+    def advice(self, missing: Sequence[str] = ()) -> str:
         exact_names = [exact for _, exact, _ in self.conflicts]
         leaving_out: dict[str, str | None] = {**self.rename, **dict.fromkeys(exact_names)}
         prefer_renamed = (
@@ -72,7 +72,8 @@ class DeclinedAlignment:
         return (
             f"The names were not aligned automatically: {self.describe()}. The checkpoint holds two candidates for"
             f" {'that tensor' if len(exact_names) == 1 else 'those tensors'}; say which to load: {prefer_renamed},"
-            f" and `strict=False` loads only the tensors whose names match exactly. {_RENAME_USAGE}"
+            f" and `strict=False` loads only the tensors whose names match exactly"
+            f"{f', leaving {len(missing)} ({quoted_names(missing)}) as they were' if missing else ''}. {_RENAME_USAGE}"
         )
 
 
@@ -180,11 +181,18 @@ def plan_load(
     if not problems and not plan.sources and targets:
         problems.append(f"no checkpoint tensor matches a model tensor (checkpoint keys: {quoted_names(list(specs))})")
     if problems:
-        inner = None
+        inner = paired = None
+        untied = _untied_copies(targets, plan, ties or {}) if strict else {}
         if rename is None and not plan.aligned and plan.declined is None and not ambiguous:
             inner = _inner_rename(targets, specs, len(targets) - len(plan.missing))
-        fixes = [inner.advice(len(targets))] if inner else _advice(targets, list(specs), rename, plan, ambiguous)
-        untied = _untied_copies(targets, plan, ties or {}) if strict else {}
+        if inner is None and not untied and not plan.aligned and plan.declined is None and not ambiguous:
+            paired = _paired_rename(targets, specs, rename)
+        if inner:
+            fixes = [inner.advice(len(targets))]
+        elif paired:
+            fixes = [paired.advice()]
+        else:
+            fixes = _advice(targets, list(specs), rename, plan, ambiguous)
         if untied:
             fixes.append(_retie_advice(untied))
         elif (
@@ -194,8 +202,9 @@ def plan_load(
             and not dtype_mismatches
             and plan.declined is None
             and inner is None
+            and paired is None
         ):
-            fixes.append("To load only the tensors that match, pass `strict=False`.")
+            fixes.append(f"To load only the tensors that match, {_leaving(plan.missing)}pass `strict=False`.")
         raise CheckpointLoadError(
             "The checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
             + "\n- ".join(problems)
@@ -457,7 +466,7 @@ def _advice(
             f" tensors that the model does not have, pass `rename={value!r}`. {_RENAME_USAGE}"
         ]
     if plan.declined is not None:
-        return [plan.declined.advice()]
+        return [plan.declined.advice(plan.missing)]
     if ambiguous:
         choices = " or ".join(f"`rename={candidate!r}`" for candidate in ambiguous[:SHOWN_NAMES])
         return [
@@ -467,11 +476,101 @@ def _advice(
     best, matched = _best_candidate(targets, names)
     if best is None or matched <= len(targets) - len(plan.missing):
         return []
-    partial = " and `strict=False`" if matched < len(targets) else ""
+    partial, left = "", ""
+    if matched < len(targets):
+        renamed = _with_prefix(names, best) or set()
+        unloaded = [target.names[0] for target in targets if not any(name in renamed for name in target.names)]
+        partial = " and `strict=False`"
+        left = f", and the other {len(unloaded)} ({quoted_names(unloaded)}) stay as they were"
     return [
         f"The checkpoint's names match the model's better once {_describe(best)}: with `rename={best!r}`{partial},"
-        f" {matched} of the model's {len(targets)} tensors load. {_RENAME_USAGE}"
+        f" {matched} of the model's {len(targets)} tensors load{left}. {_RENAME_USAGE}"
     ]
+
+
+def _leaving(missing: Sequence[str]) -> str:
+    """The clause that names the model tensors that ``strict=False`` would leave as they were (empty if none)."""
+    return (
+        f"leaving the model's {len(missing)} missing tensor(s) ({quoted_names(missing)}) as they were, "
+        if missing
+        else ""
+    )
+
+
+@dataclass(frozen=True)
+class PairedRename:
+    """Model tensors that the checkpoint holds under other names, found by pairing shapes and dtypes one to one."""
+
+    base: dict[str, str | None]
+    """The prefix rename in effect before the pairs (the caller's mapping, or the best prefix change; ``{}``)."""
+    pairs: dict[str, str]
+    """Checkpoint name (in the file) -> the model name it pairs with."""
+    left_out: list[str]
+    """Checkpoint tensors (names in the file) that pair with no model tensor, left out by the rename."""
+
+    @property
+    def value(self) -> dict[str, str | None]:
+        return {**self.base, **self.pairs, **dict.fromkeys(self.left_out)}
+
+    def advice(self) -> str:
+        after = f"Once {_describe(self.base)}, the names" if self.base else "The names"
+        pairs = ", ".join(f"{old!r} in the checkpoint is {new!r} in the model" for old, new in self.pairs.items())
+        ignored = f" (leaving out {quoted_names(self.left_out)}, which feed no model tensor)" if self.left_out else ""
+        return (
+            f"{after} that differ pair up one to one by shape and dtype: {pairs}. To load every model tensor{ignored},"
+            f" load with this rename: `with fabric.strategy.load_options(rename={self.value!r}):` around"
+            f" `fabric.load` or `fabric.load_raw`. `strict=False` is not the fix: it would not load"
+            f" {quoted_names(self.pairs.values())}, leaving the model's initial values there."
+        )
+
+
+def _paired_rename(
+    targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], rename: Rename | None
+) -> PairedRename | None:
+    """The rename that loads every model tensor by pairing the missing ones with unused checkpoint tensors, if any.
+
+    After the caller's ``rename`` (a mapping) or, without one, the prefix change that matches the most names, each
+    missing model tensor must have exactly one unused checkpoint tensor of its shape and of a dtype that loads into it
+    (floating-point dtypes cast), and that tensor no other missing one: a shape shared by two candidates is never
+    guessed. Unused checkpoint tensors of other shapes are left out. The rename is checked by planning with it.
+
+    """
+    if rename is None:
+        best, matched = _best_candidate(targets, list(specs))
+        base: dict[str, str | None] = dict(best) if best and matched > _matched(targets, set(specs)) else {}
+    elif isinstance(rename, Mapping):
+        base = dict(rename)
+    else:
+        return None
+    plan, shape_mismatches, dtype_mismatches = _match(targets, specs, _renamed(specs, base))
+    if shape_mismatches or dtype_mismatches or not plan.sources or not plan.missing:
+        return None
+    if len(plan.missing) > SHOWN_NAMES or len(plan.unexpected) > 2 * SHOWN_NAMES:
+        return None
+    kinds = {target.names[0]: _kind(target.shape, target.dtype) for target in targets}
+    unused: dict[tuple, list[str]] = {}
+    for name in plan.unexpected:
+        unused.setdefault(_kind(specs[name].shape, specs[name].dtype), []).append(name)
+    wanted = Counter(kinds[name] for name in plan.missing)
+    pairs = {}
+    for name in plan.missing:
+        candidates = unused.get(kinds[name], [])
+        if len(candidates) != 1 or wanted[kinds[name]] != 1:
+            return None
+        pairs[candidates[0]] = name
+    left_out = [name for name in plan.unexpected if name not in pairs]
+    paired = PairedRename(base, pairs, left_out)
+    check, shape_mismatches, dtype_mismatches = _match(targets, specs, _renamed(specs, paired.value))
+    if check.missing or check.unexpected or shape_mismatches or dtype_mismatches:
+        return None  # a paired name is also a prefix of another checkpoint name: the mapping would rename that too
+    if any(check.sources.get(new) != old for old, new in pairs.items()):
+        return None
+    return paired
+
+
+def _kind(shape: tuple[int, ...], dtype: torch.dtype) -> tuple:
+    """What a tensor must share with another to feed it: the shape, and the dtype unless both are floating point."""
+    return (shape, "floating point" if dtype.is_floating_point else dtype)
 
 
 @dataclass(frozen=True)
