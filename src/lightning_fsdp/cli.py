@@ -1,5 +1,9 @@
 """The ``lightning-fsdp`` command: inspect a checkpoint, or convert it into a sharded checkpoint.
 
+Each command imports only what it needs, inside its own function: ``inspect`` reads a file's structure with torch and
+this package's readers, and never imports Lightning or torch's FSDP and distributed checkpoint modules, which take
+seconds to import.
+
 Upstream destination: a ``fabric`` CLI subcommand (``src/lightning/fabric/cli.py``), next to ``fabric consolidate``.
 """
 
@@ -7,7 +11,10 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
+
+from lightning_fsdp.__about__ import __version__
 
 _DESCRIPTION = """\
 Inspect and convert the checkpoints that lightning_fsdp.FSDPStrategy loads: raw module state dicts (torch.save, zip
@@ -32,8 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Ctrl-C, and 141 (like a program killed by ``SIGPIPE``) when the reader of the output went away, e.g. ``| head``.
 
     """
+    started = time.perf_counter()
     parser = _parser()
     args = parser.parse_args(argv)
+    args.started = started
     try:
         code = _inspect(args) if args.command == "inspect" else _convert(args)
         sys.stdout.flush()  # here, so that a closed pipe is reported below rather than at interpreter shutdown
@@ -94,16 +103,19 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     inspect = commands.add_parser(
         "inspect",
         help="show the format, size, dtypes and keys of a checkpoint (reads no tensor data)",
         description="Show what a checkpoint holds: its format and how it was detected, whether ranks can read it"
-        " lazily, the number of tensors and bytes, their dtypes, and the top-level keys.",
+        " lazily, the number of tensors and bytes, their dtypes, and the top-level keys; then how long it took.",
     )
     inspect.add_argument("path", help="a checkpoint file or directory")
-    inspect.add_argument("--json", action="store_true", help="print a JSON object, for scripts")
+    inspect.add_argument(
+        "--json", action="store_true", help="print a JSON object, for scripts (without the closing `time:` line)"
+    )
     _add_weights_only(inspect)
 
     convert = commands.add_parser(
@@ -159,6 +171,8 @@ def _inspect(args: argparse.Namespace) -> int:
     ]
     for label, value in lines:
         print(f"{label + ':':<9} {value}")
+    # Imports included: on a busy machine, importing torch is most of it.
+    print(f"{'time:':<9} {time.perf_counter() - args.started:.2f} s")
     return 0
 
 

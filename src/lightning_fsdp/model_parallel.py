@@ -44,6 +44,7 @@ from lightning_fsdp.loading.materialize import (
     attach_init_record,
     shared_tensor_names,
 )
+from lightning_fsdp.loading.quiet import load_errors_printed_once_per_node
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import (
     broadcast_load_path,
@@ -217,17 +218,18 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
             )
         module_key = None if isinstance(state, Module) else _distributed_module_key(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
-        try:
-            return load_into_state(self, path, state, request, namespace)
-        except Exception as error:
-            raise_if_path_refused(
-                path,
-                error,
-                raw=module_key is None,
-                strategy=type(self).__name__,
-                shards="distributed checkpoint shards",
-            )
-            raise
+        with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
+            try:
+                return load_into_state(self, path, state, request, namespace)
+            except Exception as error:
+                raise_if_path_refused(
+                    path,
+                    error,
+                    raw=module_key is None,
+                    strategy=type(self).__name__,
+                    shards="distributed checkpoint shards",
+                )
+                raise
 
     def load_options(
         self,

@@ -48,7 +48,7 @@ from lightning_fsdp.loading.materialize import (
     attach_init_record,
     shared_tensor_names,
 )
-from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
+from lightning_fsdp.loading.quiet import load_errors_printed_once_per_node, torch_internal_warnings_silenced
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import (
     broadcast_load_path,
@@ -293,13 +293,18 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         # broadcast the path from rank 0 to ensure all the states are loaded from a common path (with the namespace of
         # this load's agreements)
         path, namespace = broadcast_load_path(self, path)
-        try:
-            return load_into_state(self, path, state, request, namespace)
-        except Exception as error:
-            raise_if_path_refused(
-                path, error, raw=request.module_key is None, strategy="FSDPStrategy", shards="FSDP checkpoint shards"
-            )
-            raise
+        with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
+            try:
+                return load_into_state(self, path, state, request, namespace)
+            except Exception as error:
+                raise_if_path_refused(
+                    path,
+                    error,
+                    raw=request.module_key is None,
+                    strategy="FSDPStrategy",
+                    shards="FSDP checkpoint shards",
+                )
+                raise
 
     def load_options(
         self,

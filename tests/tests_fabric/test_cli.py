@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -234,6 +235,7 @@ import sys, threading, time
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint  # convert imports it on first use: the baseline's, not the conversion's memory
 from lightning_fsdp.loading.convert import convert_checkpoint
 
 def resident_kib():
@@ -298,3 +300,47 @@ def test_names_from_the_file_reach_the_terminal_escaped(tmp_path):
     assert r"w\x1b]0;PWNED\x07\x1b[2J" in inspected.stdout
     for output in (inspected.stdout, converted.stdout, refused.stderr):
         assert not [char for char in output if not char.isprintable() and char != "\n"], output
+
+
+_INSPECT_THEN_LIST_MODULES = """
+import json
+import sys
+from lightning_fsdp.cli import main
+code = main(sys.argv[1:])
+print(json.dumps(sorted(sys.modules)))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("fmt", ["torch-zip", "safetensors"])
+def test_inspect_imports_neither_lightning_nor_torch_distributed_modules(tmp_path, state_dict, fmt):
+    """`inspect` reads a file's structure: Lightning, FSDP and DCP, which take seconds to import, stay unimported."""
+    path = write_checkpoint(state_dict, tmp_path, fmt)
+    command = [sys.executable, "-c", _INSPECT_THEN_LIST_MODULES, "inspect", str(path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    *printed, modules = result.stdout.splitlines()
+    assert re.fullmatch(r"time: +[0-9.]+ s", printed[-1]), printed  # how long it took, last
+    imported = json.loads(modules)
+    assert "lightning_fsdp.loading.formats" in imported  # it did read the file
+    heavy = ("lightning", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.tensor")
+    assert [name for name in imported if name in heavy or name.startswith(tuple(f"{h}." for h in heavy))] == []
+
+
+def test_version_prints_the_package_version():
+    from lightning_fsdp.__about__ import __version__
+
+    result = _cli("--version")
+    assert (result.returncode, result.stdout) == (0, f"lightning-fsdp {__version__}\n")
+
+
+def test_the_package_imports_its_public_names_on_first_use():
+    """`import lightning_fsdp` is cheap; each public name is still there, the same object as in its own module."""
+    import lightning_fsdp
+    from lightning_fsdp.loading.errors import CheckpointLoadError
+
+    assert lightning_fsdp.FSDPStrategy is FSDPStrategy
+    assert lightning_fsdp.CheckpointLoadError is CheckpointLoadError
+    assert set(lightning_fsdp.__all__) <= set(dir(lightning_fsdp))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lightning_fsdp.nope  # noqa: B018

@@ -16,13 +16,11 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import (
@@ -34,6 +32,10 @@ from lightning_fsdp.loading.formats import (
     open_every_tensor,
 )
 from lightning_fsdp.loading.sources import TensorSource, TensorSpec, materialize, walk_tensors
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItem
 
 #: Rows per chunk are chosen so that a chunk holds about this many bytes.
 DEFAULT_CHUNK_BYTES = 32 * 2**20
@@ -165,7 +167,7 @@ def _write_sharded(
     # tensor keep the peak near one largest tensor.
     largest = max((spec.nbytes for spec in specs.values()), default=0)
     chunk_bytes = max(min(chunk_bytes, largest // 2), _MIN_CHUNK_BYTES)
-    planner = _StreamingSavePlanner(tensor_source, module_key, chunk_bytes, on_chunk)
+    planner = _streaming_save_planner()(tensor_source, module_key, chunk_bytes, on_chunk)
     output.mkdir(parents=True, exist_ok=True)
     # One file per chunk: torch's writer keeps every tensor of a file alive until the file is closed.
     # No copy-ahead: chunks are read one at a time, when the writer asks for them.
@@ -213,41 +215,56 @@ def _sharded_specs(path: Path, weights_only: bool) -> tuple[dict[str, TensorSpec
     return specs, top_level
 
 
-class _StreamingSavePlanner(DefaultSavePlanner):
-    """A DCP save planner whose tensors are read from the source only when the writer asks for them, in row chunks."""
+@cache
+def _streaming_save_planner() -> type["DefaultSavePlanner"]:
+    """The planner class of :func:`_write_sharded`, defined on first use: torch's DCP planners are imported only then.
 
-    def __init__(
-        self, source: TensorSource, module_key: str, chunk_bytes: int, on_chunk: Callable[[int], None] | None
-    ) -> None:
-        super().__init__()
-        self.source = source
-        self.prefix = f"{module_key}."
-        self.chunk_bytes = chunk_bytes
-        self.on_chunk = on_chunk
-        self.chunks = 0
+    ``inspect`` (:func:`describe_checkpoint`) imports this module but writes nothing, and importing DCP costs seconds.
 
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        items = [piece for item in plan.items for piece in _split_rows(item, self.chunk_bytes)]
-        self.plan = dataclasses.replace(plan, items=items)
-        self.chunks = len(items)
-        return self.plan
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        name = write_item.index.fqn.removeprefix(self.prefix)
-        assert write_item.tensor_data is not None
-        chunk = write_item.tensor_data.chunk
-        shape = tuple(write_item.tensor_data.size)
-        row = math.prod(shape[1:]) if shape else 1
-        start = (chunk.offsets[0] if shape else 0) * row
-        values = self.source.read_flat(name, start, start + math.prod(chunk.sizes)).reshape(tuple(chunk.sizes))
-        if self.on_chunk is not None:
-            self.on_chunk(values.numel() * values.element_size())
-        return values
+    class _StreamingSavePlanner(DefaultSavePlanner):
+        """A DCP save planner that reads each tensor from the source only when the writer asks for it, in row chunks."""
+
+        def __init__(
+            self, source: TensorSource, module_key: str, chunk_bytes: int, on_chunk: Callable[[int], None] | None
+        ) -> None:
+            super().__init__()
+            self.source = source
+            self.prefix = f"{module_key}."
+            self.chunk_bytes = chunk_bytes
+            self.on_chunk = on_chunk
+            self.chunks = 0
+
+        def create_local_plan(self) -> SavePlan:
+            plan = super().create_local_plan()
+            items = [piece for item in plan.items for piece in _split_rows(item, self.chunk_bytes)]
+            self.plan = dataclasses.replace(plan, items=items)
+            self.chunks = len(items)
+            return self.plan
+
+        def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+            name = write_item.index.fqn.removeprefix(self.prefix)
+            assert write_item.tensor_data is not None
+            chunk = write_item.tensor_data.chunk
+            shape = tuple(write_item.tensor_data.size)
+            row = math.prod(shape[1:]) if shape else 1
+            start = (chunk.offsets[0] if shape else 0) * row
+            values = self.source.read_flat(name, start, start + math.prod(chunk.sizes)).reshape(tuple(chunk.sizes))
+            if self.on_chunk is not None:
+                self.on_chunk(values.numel() * values.element_size())
+            return values
+
+    return _StreamingSavePlanner
 
 
-def _split_rows(item: WriteItem, chunk_bytes: int) -> list[WriteItem]:
+def _split_rows(item: "WriteItem", chunk_bytes: int) -> list["WriteItem"]:
     """Split a whole-tensor write item into items of whole rows, each about ``chunk_bytes`` large."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
+
     data = item.tensor_data
     if data is None or len(data.size) == 0 or data.size[0] <= 1:
         return [item]

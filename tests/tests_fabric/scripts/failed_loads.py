@@ -42,7 +42,10 @@ def main() -> None:
         try:
             with fabric.strategy.load_options(rename=rename):
                 fabric.load_raw(path, model)
-        except Exception:
+        except Exception as error:
+            # What every rank caught, for the test to read (a file: the terminal shows only what a user would see).
+            with open(work / f"caught-rank{fabric.global_rank}.txt", "a") as caught:
+                print(case, type(error).__name__, type(error.cause).__name__, sep="|", file=caught)
             sys.excepthook(*sys.exc_info())
             sys.stderr.flush()
         fabric.barrier()
