@@ -42,13 +42,14 @@ from lightning_fsdp.devices import (
     _check_placement,
     _init_context_on_own_device,
 )
+from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 from lightning_fsdp.loading.materialize import (
     InitRecord,
     MetaMaterializer,
     attach_init_record,
     shared_tensor_names,
 )
-from lightning_fsdp.loading.quiet import load_errors_printed_once_per_node, torch_internal_warnings_silenced
+from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import (
     broadcast_load_path,

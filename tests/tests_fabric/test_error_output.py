@@ -17,7 +17,7 @@ import pytest
 from torch import nn
 
 from lightning_fsdp import CheckpointLoadError, CheckpointPathError, FSDPStrategy
-from lightning_fsdp.loading.quiet import ERRORS_ON_EVERY_RANK_ENV
+from lightning_fsdp.loading.errors import ERRORS_ON_EVERY_RANK_ENV
 from tests.tests_fabric.test_docs_examples import _DOCS, _clean_env, _kill_process_group
 
 pytestmark = pytest.mark.package_only

@@ -6,7 +6,11 @@ forges a log line. Such text reaches a message only through :func:`printable`, :
 text) or :func:`quoted_names` (names), or as ``repr`` quotes it (``{name!r}``).
 """
 
-from collections.abc import Iterable, Sequence
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 #: Names listed in one message, before ``... (N more)``.
@@ -100,3 +104,53 @@ def shown_items(items: Sequence[str]) -> str:
     """The first :data:`SHOWN_NAMES` of ``items`` (formatted, file text escaped), and how many more there are."""
     shown = ", ".join(items[:SHOWN_NAMES])
     return shown + (f", ... ({len(items) - SHOWN_NAMES} more)" if len(items) > SHOWN_NAMES else "")
+
+
+#: Set to ``1`` to have every rank print a failed load's traceback, not only local rank 0 of each node.
+ERRORS_ON_EVERY_RANK_ENV = "LIGHTNING_FSDP_ERRORS_ON_EVERY_RANK"
+#: The attribute that marks an error that local rank 0 of this node prints: the same text, agreed by every rank.
+_PRINTED_BY_LOCAL_RANK_ZERO = "_checkpoint_load_error_printed_by_local_rank_zero"
+
+
+@contextmanager
+def load_errors_printed_once_per_node(global_rank: int, local_rank: int) -> Iterator[None]:
+    """Let an agreed load error that leaves the script be printed in full by local rank 0 of each node only.
+
+    Every rank still raises the same :class:`~lightning_fsdp.CheckpointLoadError` (code that catches it sees it on
+    every rank, and an uncaught one still ends every process with a non-zero exit code); only the interpreter's
+    printing of an uncaught one, ``sys.excepthook``, is shortened on the other ranks, to one line that says where the
+    error is. It applies to an error that the ranks agreed on (it names the failed ranks) and that chains no other
+    exception: an I/O error or a bug behind it (``__cause__``) is this rank's own, and is printed in full where it
+    happened. The cause stays on the exception (``error.cause``), and :data:`ERRORS_ON_EVERY_RANK_ENV` set to ``1``
+    prints every rank's traceback.
+
+    """
+    try:
+        yield
+    except CheckpointLoadError as error:
+        every_rank = os.environ.get(ERRORS_ON_EVERY_RANK_ENV, "0") not in ("", "0")
+        if local_rank != 0 and error.failed_ranks and error.__cause__ is None and not every_rank:
+            setattr(error, _PRINTED_BY_LOCAL_RANK_ZERO, global_rank)
+            _install_excepthook()
+        raise
+
+
+def _install_excepthook() -> None:
+    """Chain :func:`_print_once_per_node` in front of the current ``sys.excepthook`` (torch's, after ``init``)."""
+    if getattr(sys.excepthook, "_prints_checkpoint_load_errors_once", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, traceback: TracebackType | None) -> None:
+        rank = getattr(error, _PRINTED_BY_LOCAL_RANK_ZERO, None)
+        if rank is None:
+            previous(kind, error, traceback)
+            return
+        print(
+            f"[rank{rank}]: {kind.__name__}: the same error as local rank 0 prints (set {ERRORS_ON_EVERY_RANK_ENV}=1"
+            " to print it on every rank)",
+            file=sys.stderr,
+        )
+
+    hook._prints_checkpoint_load_errors_once = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

@@ -330,7 +330,8 @@ def _name_map(root: Path, ours: dict[str, Path], targets: dict[str, str]) -> Nam
         for alias in node.names
     }
     exports: dict[str, str] = {}
-    for node in ast.parse((PACKAGE_DIR / "__init__.py").read_text()).body:
+    # The package's public names are imported on first use; their imports for type checkers say where each lives.
+    for node in ast.walk(ast.parse((PACKAGE_DIR / "__init__.py").read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_fsdp."):
             for alias in node.names:
                 exported = alias.asname or alias.name

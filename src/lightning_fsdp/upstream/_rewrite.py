@@ -44,6 +44,7 @@ UPSTREAM_NAMES = {
     "Copyright The lightning-fsdp developers.": "Copyright The Lightning AI team.",
     "LIGHTNING_FSDP_PROGRESS": "PL_CHECKPOINT_LOADING_PROGRESS",
     "LIGHTNING_FSDP_FUZZ_SEED": "PL_CHECKPOINT_LOADING_FUZZ_SEED",
+    "LIGHTNING_FSDP_ERRORS_ON_EVERY_RANK": "PL_CHECKPOINT_LOADING_ERRORS_ON_EVERY_RANK",
     "lightning_fsdp/agreement": "lightning/checkpoint_loading/agreement",
     "lightning_fsdp-heartbeat": "lightning-checkpoint-loading-heartbeat",
     "lightning-fsdp-fetch": "lightning-checkpoint-loading-fetch",

@@ -367,14 +367,18 @@ def _load_options_without_storage_options(definition: str) -> tuple[EarlierForm,
         _until_remote(
             definition,
             """    def load_options(
-        self, rename: Rename | None = None, storage_options: dict[str, Any] | None = None
+        self,
+        rename: Rename | None = None,
+        storage_options: dict[str, Any] | None = None,
+        request_timeout: float | None = None,
+        stall_timeout: float | None = None,
     ) -> AbstractContextManager:
 """,
             "    def load_options(self, rename: Rename | None = None) -> AbstractContextManager:\n",
         ),
         _until_remote(
             definition,
-            "        return load_options(self, rename, storage_options)\n",
+            "        return load_options(self, rename, storage_options, request_timeout, stall_timeout)\n",
             "        return load_options(self, rename)\n",
         ),
     )
@@ -410,12 +414,21 @@ _FSDP_LOAD_OPTIONS_REMOTE_FORMS = (
             storage_options: Options of the fsspec file system that reads a checkpoint URL (``s3://...``), such as
                 ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for ``s3fs``. By default fsspec's usual
                 configuration applies (environment variables, the provider's config files).
+
+            request_timeout: Object storage only: seconds after which a request that has received nothing (no
+                answer, or no byte of its body) is abandoned and retried. Default: 30.
+
+            stall_timeout: Object storage only: seconds after which a rank whose requests have received no byte,
+                retries included, ends the load with a :class:`~lightning_fsdp.CheckpointLoadError` on every rank
+                naming the object and the range. Default: 60.
 """,
         "",
     ),
     _until_remote(
         f"{_STRATEGY}::FSDPStrategy.load_options",
-        "or a callable, or ``storage_options`` not a dict.\n",
+        """or a callable, or ``storage_options`` not a dict.
+            ValueError: If a timeout is not a number of seconds greater than 0.
+""",
         "or a callable.\n",
     ),
 )
@@ -448,8 +461,16 @@ Checkpoints in object storage (``s3://`` and other fsspec URLs) are read the sam
 _CALLS = f"{_SRC}/loading_calls.py"
 #: `loading_calls.py` without the storage options, and with a local path for every path.
 _CALLS_REMOTE_FORMS = (
-    _until_remote(f"{_CALLS}::LoadingStrategy", "    _load_storage_options: Mapping[str, Any] | None\n", ""),
-    _until_remote(f"{_CALLS}::init_loading_options", "    strategy._load_storage_options = None\n", ""),
+    _until_remote(
+        f"{_CALLS}::LoadingStrategy",
+        "    _load_storage_options: Mapping[str, Any] | None\n    _load_remote_timeouts: RemoteTimeouts\n",
+        "",
+    ),
+    _until_remote(
+        f"{_CALLS}::init_loading_options",
+        "    strategy._load_storage_options = None\n    strategy._load_remote_timeouts = RemoteTimeouts()\n",
+        "",
+    ),
     _until_remote(
         f"{_CALLS}::broadcast_load_path",
         """        return checkpoint_path(strategy, start), new_namespace()
@@ -462,7 +483,11 @@ _CALLS_REMOTE_FORMS = (
     _until_remote(
         f"{_CALLS}::load_options",
         """def load_options(
-    strategy: LoadingStrategy, rename: Rename | None, storage_options: Mapping[str, Any] | None = None
+    strategy: LoadingStrategy,
+    rename: Rename | None,
+    storage_options: Mapping[str, Any] | None = None,
+    request_timeout: float | None = None,
+    stall_timeout: float | None = None,
 ) -> Iterator[None]:
     \"\"\"Set the options of the loads inside the block on ``strategy``, and restore the previous ones after it.\"\"\"
     check_rename(rename)
@@ -470,12 +495,21 @@ _CALLS_REMOTE_FORMS = (
         raise TypeError(
             f"`load_options(storage_options=...)` takes a dict of fsspec options, got {type(storage_options).__name__}."
         )
-    previous = strategy._load_rename, strategy._load_storage_options
-    strategy._load_rename, strategy._load_storage_options = rename, storage_options
+    for name, value in (("request_timeout", request_timeout), ("stall_timeout", stall_timeout)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"`load_options({name}=...)` takes a number of seconds greater than 0, got {value!r}.")
+    defaults = RemoteTimeouts()
+    timeouts = RemoteTimeouts(float(request_timeout or defaults.request), float(stall_timeout or defaults.stall))
+    previous = strategy._load_rename, strategy._load_storage_options, strategy._load_remote_timeouts
+    strategy._load_rename, strategy._load_storage_options, strategy._load_remote_timeouts = (
+        rename,
+        storage_options,
+        timeouts,
+    )
     try:
         yield
     finally:
-        strategy._load_rename, strategy._load_storage_options = previous
+        strategy._load_rename, strategy._load_storage_options, strategy._load_remote_timeouts = previous
 """,
         """def load_options(strategy: LoadingStrategy, rename: Rename | None) -> Iterator[None]:
     \"\"\"Set the options of the loads inside the block on ``strategy``, and restore the previous ones after it.\"\"\"
