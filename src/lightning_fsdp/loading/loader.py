@@ -215,22 +215,29 @@ def _load_file(
 
 def _load_sharded(path: CheckpointPath, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
     # Imported here: torch's distributed checkpoint package cannot be imported where `torch.distributed` is unavailable.
-    from lightning_fsdp.loading.sharded import check_sharded_request, load_sharded_checkpoint, read_checked_metadata
+    from lightning_fsdp.loading.sharded import (
+        check_sharded_request,
+        load_sharded_checkpoint,
+        module_entry,
+        read_checked_metadata,
+    )
 
     if request.rename is not None:
         raise CheckpointLoadError(
             f"{str(path)!r} is a sharded checkpoint, whose tensors are read by their names in the model: `rename`"
             " applies to checkpoint files only. Load it without `rename`."
         )
-    key = request.module_key or "model"
     optimizer_keys = list(request.optimizers)
     # Read, unpickled and checked once: the check and the load below use the same metadata.
     dcp_metadata = read_checked_metadata(path, request.weights_only)
+    key = module_entry(dcp_metadata, request.module_key)  # `None`: the directory is a raw module state dict
+    if key is None:
+        _check_raw_request(request)
     metadata, stored = check_sharded_request(
         path, key, optimizer_keys, request.metadata_keys, request.strict, request.weights_only, dcp_metadata
     )
     stagger.agree_on_success()  # before the collectives of the distributed checkpoint reader
-    present = {k: optimizer for k, optimizer in request.optimizers.items() if k in stored}
+    present = {k: optimizer for k, optimizer in request.optimizers.items() if key is not None and k in stored}
     skipped = load_sharded_checkpoint(
         path, request.module, key, present, request.strict, request.weights_only, dcp_metadata
     )
@@ -299,19 +306,24 @@ def _apply(
 
 def _check_requested_keys(request: LoadRequest, opened: OpenedCheckpoint) -> None:
     if opened.raw:
-        requested = sorted([*request.optimizers, *request.metadata_keys])
-        if requested and request.strict:
-            raise CheckpointLoadError(
-                "The checkpoint is a raw module state dict: it holds the model's weights only, not the requested"
-                f" {', '.join(repr(k) for k in requested)}. To load the weights alone, pass `strict=False` (the other"
-                " objects are left untouched) or use `fabric.load_raw(path, model)`."
-            )
+        _check_raw_request(request)
         return
     absent = sorted(key for key in [*request.optimizers, *request.metadata_keys] if key not in opened.entries)
     if absent and request.strict:
         raise CheckpointLoadError(
             f"The checkpoint has no entry {', '.join(repr(k) for k in absent)} that the state asks for. Its entries"
             f" are {', '.join(repr(k) for k in opened.top_level_keys)}. To load what is there, pass `strict=False`."
+        )
+
+
+def _check_raw_request(request: LoadRequest) -> None:
+    """A raw module state dict (a file or a sharded directory) holds no optimizer state and no other objects."""
+    requested = sorted([*request.optimizers, *request.metadata_keys])
+    if requested and request.strict:
+        raise CheckpointLoadError(
+            "The checkpoint is a raw module state dict: it holds the model's weights only, not the requested"
+            f" {', '.join(repr(k) for k in requested)}. To load the weights alone, pass `strict=False` (the other"
+            " objects are left untouched) or use `fabric.load_raw(path, model)`."
         )
 
 

@@ -100,7 +100,7 @@ _METADATA_CLASSES: tuple[Any, ...] = (
 
 def check_sharded_request(
     path: CheckpointPath,
-    module_key: str,
+    module_key: str | None,
     optimizer_keys: Sequence[str],
     metadata_keys: Iterable[str],
     strict: bool,
@@ -111,6 +111,7 @@ def check_sharded_request(
 
     No collective runs here, so it may run before the ranks agree. The checkpoint's files are checked like
     :func:`check_storage_files` does, unless ``dcp_metadata`` is given: then it was read and checked already.
+    ``module_key`` is what :func:`module_entry` returned: ``None`` where the checkpoint is the module's state itself.
 
     Returns:
         The user's metadata (``meta.pt``), and the top-level keys whose tensors the checkpoint holds.
@@ -124,6 +125,8 @@ def check_sharded_request(
         dcp_metadata = read_checked_metadata(path, weights_only)
     stored = _top_level_keys(dcp_metadata)
     metadata = read_sharded_metadata(path, weights_only)
+    if module_key is None:
+        return metadata, stored
     entries = ", ".join(repr(key) for key in sorted(stored | set(map(str, metadata))))
     if module_key not in stored:
         raise CheckpointLoadError(
@@ -139,6 +142,28 @@ def check_sharded_request(
             f" entries are {entries}. To load what is there, pass `strict=False`."
         )
     return metadata, stored
+
+
+def module_entry(metadata: Metadata, module_key: str | None) -> str | None:
+    """The entry of a sharded checkpoint that holds the module's state, or ``None``: the checkpoint is that state.
+
+    A sharded checkpoint is told apart as a checkpoint file is, by where its tensors sit in the state dict that was
+    saved (DCP records each entry's path in its planner data). ``fabric.save`` and ``dcp.save({"model": ...})`` put
+    the module's tensors under its key; ``dcp.save(model.state_dict())`` and ``torch_save_to_dcp`` put them at the
+    top level, as in a raw state dict file: such a checkpoint is the module's state. ``fabric.load`` reads the entry
+    ``module_key`` where the checkpoint has one, and the checkpoint itself where it holds tensors at its top level;
+    ``load_raw`` (``module_key=None``) reads the checkpoint itself where it holds tensors at its top level, and the
+    entry ``"model"`` otherwise.
+
+    """
+    paths = _entry_paths(metadata)
+    if module_key is not None and any(len(keys) > 1 and keys[0] == module_key for keys in paths.values()):
+        return module_key
+    tensors_at_top = any(
+        len(paths[fqn]) == 1 and isinstance(entry, TensorStorageMetadata)
+        for fqn, entry in metadata.state_dict_metadata.items()
+    )
+    return None if tensors_at_top else (module_key or "model")
 
 
 def read_checked_metadata(path: CheckpointPath, weights_only: bool) -> Metadata:
@@ -224,7 +249,7 @@ def check_storage_files(path: CheckpointPath, metadata: Metadata) -> None:
 def load_sharded_checkpoint(
     path: CheckpointPath,
     module: Module,
-    module_key: str,
+    module_key: str | None,
     optimizers: Mapping[str, Optimizer],
     strict: bool,
     weights_only: bool = True,
@@ -234,8 +259,9 @@ def load_sharded_checkpoint(
 
     ``module`` is an FSDP1 module (its sharded state dict holds ``ShardedTensor`` objects) or a module of ``DTensor``
     parameters (FSDP2, tensor parallelism); only how the model's and the optimizers' state dicts are taken and given
-    back differs. ``dcp_metadata``, when given, is what :func:`read_checked_metadata` returned for ``path``: it is not
-    read again.
+    back differs. ``module_key`` is what :func:`module_entry` returned: ``None`` where the checkpoint is the module's
+    state itself (it holds no optimizer state then). ``dcp_metadata``, when given, is what
+    :func:`read_checked_metadata` returned for ``path``: it is not read again.
 
     Every rank must call it (it runs collectives). The entries are checked against the model and the optimizers,
     then everything is read, then written: when it raises, the model and the optimizers are unchanged.
@@ -255,11 +281,14 @@ def load_sharded_checkpoint(
     reader = CheckedFileSystemReader(path, metadata, weights_only=weights_only)
     dtensors = has_dtensor_params(module)
     with torch_internal_warnings_silenced(), _sharded_state_dict_context(module, dtensors):
-        module_state = {module_key: _model_state_to_read_into(module, dtensors)}
-        skipped = _check_against_model(metadata, module_key, module_state[module_key], list(optimizers), strict)
+        model_state = _model_state_to_read_into(module, dtensors)
+        # DCP names an entry by its path in the state dict it reads into, as in the one that was saved.
+        module_state = model_state if module_key is None else {module_key: model_state}
+        prefix = "" if module_key is None else f"{module_key}."
+        skipped = _check_against_model(metadata, prefix, model_state, list(optimizers), strict)
         read_optimizer_state = _read_dtensor_optimizer_state if dtensors else _read_flat_optimizer_state
         write_optimizers = [
-            read_optimizer_state(path, module, module_state[module_key], key, optimizer, reader, strict)
+            read_optimizer_state(path, module, model_state, key, optimizer, reader, strict)
             for key, optimizer in optimizers.items()
         ]
         planner = DefaultLoadPlanner(allow_partial_load=not strict)
@@ -267,7 +296,7 @@ def load_sharded_checkpoint(
             f"Reading the model from {str(path)!r}",
             lambda: dcp.load(module_state, storage_reader=reader, planner=planner),
         )
-        module.load_state_dict(module_state[module_key], strict=strict)
+        module.load_state_dict(model_state, strict=strict)
         for write_optimizer in write_optimizers:
             write_optimizer()
     return skipped
@@ -722,20 +751,32 @@ def _is_state_dict_path(fqn: Any, keys: Any, entry_count: int) -> bool:
 
 
 def _top_level_keys(metadata: Metadata) -> set[str]:
-    return {fqn.split(".", 1)[0] for fqn in metadata.state_dict_metadata}
+    return {keys[0] for keys in _entry_paths(metadata).values()}
+
+
+def _entry_paths(metadata: Metadata) -> dict[str, tuple[Any, ...]]:
+    """Each entry's path in the state dict that was saved: from the planner data, else its name split at the first dot.
+
+    DCP joins the path with dots into the entry's name (``("model", "0.weight")`` is ``model.0.weight``), so only the
+    planner data tells ``("model.0.weight",)``, a tensor at the top level, from it.
+
+    """
+    planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    return {fqn: tuple(map(str, planner_data.get(fqn) or fqn.split(".", 1))) for fqn in metadata.state_dict_metadata}
 
 
 def _check_against_model(
-    metadata: Metadata, module_key: str, model_state: Mapping[str, Any], optimizer_keys: Sequence[str], strict: bool
+    metadata: Metadata, prefix: str, model_state: Mapping[str, Any], optimizer_keys: Sequence[str], strict: bool
 ) -> str:
     """Compare the checkpoint's entries with the model's state and raise one error listing the problems.
+
+    ``prefix`` is that of the model's entries (``"model."``), or empty where the checkpoint is the module's state.
 
     Returns:
         What ``strict=False`` leaves out (missing and unexpected keys), or an empty string.
 
     """
     entries = metadata.state_dict_metadata
-    prefix = f"{module_key}."
     mismatches: list[str] = []
     missing = []
     for name, value in model_state.items():
