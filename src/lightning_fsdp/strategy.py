@@ -334,11 +334,13 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
                 configuration applies (environment variables, the provider's config files).
 
             request_timeout: Object storage only: seconds after which a request that has received nothing (no
-                answer, or no byte of its body) is abandoned and retried. Default: 30.
+                answer, or no byte of its body) is abandoned: a read of a range is tried again (5 attempts at most),
+                a request for an object's size or a listing ends the load. Default: 30.
 
             stall_timeout: Object storage only: seconds after which a rank whose requests have received no byte,
                 retries included, ends the load with a :class:`~lightning_fsdp.CheckpointLoadError` on every rank
-                naming the object and the range. Default: 60.
+                naming the object and the range. Default: 60. Both hold for the file systems that fsspec runs
+                asynchronously (``s3://``, ``gs://``, ``az://``).
 
         Raises:
             TypeError: If ``rename`` is neither a mapping of prefixes nor a callable, or ``storage_options`` not a dict.

@@ -6,12 +6,14 @@ from textwrap import dedent
 
 import pytest
 
+import lightning_fsdp
+
 pytestmark = pytest.mark.package_only
 
 
 def test_import_with_torch_dist_unavailable():
     """As Lightning's own ``test_import_fabric_with_torch_dist_unavailable``: every attribute of ``torch.distributed``
-    removed, then the package and its public names imported."""
+    removed, then the package and every public name imported, and Lightning's strategy constructed through `enable`."""
     code = dedent(
         """
         import torch
@@ -31,12 +33,18 @@ def test_import_with_torch_dist_unavailable():
         torch.distributed.ProcessGroup = _ProcessGroupStub
 
         import lightning_fsdp
-        from lightning_fsdp import CheckpointLoadError, FSDPStrategy, ModelParallelStrategy, enable
+        from lightning_fsdp import FSDPStrategy, ModelParallelStrategy, disable, enable
         from lightning_fsdp.loading import agreement, turns
 
-        print("imported", FSDPStrategy.__name__, ModelParallelStrategy.__name__)
+        names = [getattr(lightning_fsdp, name) for name in lightning_fsdp.__all__]  # convert_checkpoint too
+        enable()
+        import lightning.fabric
+
+        assert type(lightning.fabric.strategies.FSDPStrategy()) is FSDPStrategy  # what `enable` redirects
+        disable()
+        print("imported", len(names), FSDPStrategy.__name__, ModelParallelStrategy.__name__)
         """
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "imported FSDPStrategy ModelParallelStrategy" in result.stdout
+    assert f"imported {len(lightning_fsdp.__all__)} FSDPStrategy ModelParallelStrategy" in result.stdout

@@ -283,8 +283,12 @@ class RemotePath(StoragePath):
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``fs.method(*args, **kwargs)``, abandoned after ``timeouts.request`` where the file system is asynchronous.
 
+        s3fs makes its client on first use (its imports, its session: seconds of CPU on a busy node), which is not a
+        request to the store: it is made first, within ``timeouts.stall``.
+
         Raises:
             TimeoutError: If the store did not answer in time.
+            OSError: If the client could not be made in time.
 
         """
         coroutine = getattr(self.fs, f"_{method}", None)
@@ -292,6 +296,12 @@ class RemotePath(StoragePath):
             return getattr(self.fs, method)(*args, **kwargs)
         from fsspec.asyn import sync
 
+        set_session = getattr(self.fs, "set_session", None)
+        if asyncio.iscoroutinefunction(set_session):
+            try:
+                sync(self.fs.loop, _within, self.timeouts.stall, set_session)
+            except TimeoutError:
+                raise OSError(f"its client could not be made within {self.timeouts.stall:g} s") from None
         return sync(self.fs.loop, _within, self.timeouts.request, coroutine, *args, **kwargs)
 
     def request_error(self, error: BaseException, happened: str) -> CheckpointLoadError:
@@ -563,17 +573,23 @@ def _with_retries(
                 break
             time.sleep(backoff)
             backoff = min(2 * backoff, _MAX_BACKOFF_S)
+    where = f"the range {byte_range[0]}-{byte_range[1] - 1} ({what})"
     if path.progress.idle_s() + backoff >= path.timeouts.stall:
+        last = (
+            f"no byte within {path.timeouts.request:g} s"
+            if isinstance(failure, TimeoutError)
+            else f"{type(failure).__name__}: {first_line(failure)}"
+        )
         raise CheckpointLoadError(
             path.redact(
-                f"The object {str(path)!r} stopped answering: no byte of the range {byte_range[0]}-{byte_range[1] - 1}"
-                f" ({what}) arrived for {path.progress.idle_s():.0f} s, after {attempt + 1} attempt(s) (the last:"
-                f" {type(failure).__name__}: {first_line(failure) or 'no answer'}). Check the endpoint and the network;"
-                f" `load_options(stall_timeout=...)` sets how long a load waits (now {path.timeouts.stall:g} s)."
+                f"The object {str(path)!r} stopped answering: no byte of {where} arrived for"
+                f" {path.progress.idle_s():.0f} s, after {attempt + 1} attempt(s) (the last: {last}). Check the"
+                f" endpoint and the network; `load_options(stall_timeout=...)` sets how long a load waits (now"
+                f" {path.timeouts.stall:g} s)."
             )
         )
     file.check_unchanged()
-    raise path.request_error(failure, f"could not be read after {ATTEMPTS} attempts")
+    raise path.request_error(failure, f"could not be read after {ATTEMPTS} attempts at {where}")
 
 
 def _streams_ranges(fs: Any) -> bool:

@@ -9,6 +9,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,15 +33,19 @@ class _Faults:
     get_bytes: int = 0
     requests: int = 0
     fired: int = 0
+    first_fired_at: float = 0.0
+    """When the first fault since the rules were set was made (``time.time()``: the ranks' clock too); 0: none."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self, method: str, range_bytes: int | None, key: str) -> dict[str, Any] | None:
+    def take(self, method: str, range_header: str | None, key: str) -> dict[str, Any] | None:
         """The fault for this request, if a rule matches it (a rule fires ``count`` times, ``-1``: always).
 
-        ``range_bytes`` is the length of the range asked for (``None``: no ``Range``); a rule with ``min_range_bytes``
-        fires only for ranges at least that long.
+        ``range_header`` is the request's ``Range`` (``None``: none); a rule with ``min_range_bytes`` fires only for
+        ranges at least that long, and one with ``"same_range": True`` only for the range of the first request it
+        fired for (that range's retries, never another rank's ranges).
 
         """
+        range_bytes = _range_bytes(range_header)
         with self.lock:
             self.requests += 1
             for rule in self.rules:
@@ -50,6 +55,8 @@ class _Faults:
                     continue
                 if rule.get("key") not in (None, key):
                     continue
+                if rule.get("same_range") and rule.setdefault("range", range_header) != range_header:
+                    continue
                 if rule.get("skip", 0) > 0:
                     rule["skip"] -= 1
                     continue
@@ -57,6 +64,7 @@ class _Faults:
                     continue
                 rule["count"] -= 1
                 self.fired += 1
+                self.first_fired_at = self.first_fired_at or time.time()
                 return rule
         return None
 
@@ -80,7 +88,7 @@ class FaultProxy:
                     self._control(body)
                     return
                 key = self.path.split("?")[0].lstrip("/").split("/", 1)[-1]
-                rule = proxy.faults.take(self.command, _range_bytes(self.headers.get("Range")), key)
+                rule = proxy.faults.take(self.command, self.headers.get("Range"), key)
                 if rule is not None and rule["kind"] == "status":
                     self._reply(rule["status"], _error_xml(rule["code"]), {"Content-Type": "application/xml"})
                     return
@@ -98,6 +106,9 @@ class FaultProxy:
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_HEADERS}
                 if rule is not None and rule["kind"] == "unranged":  # a store that ignores `Range`: the whole object
                     headers = {k: v for k, v in headers.items() if k.lower() != "range"}
+                if rule is not None and rule["kind"] == "shifted":  # the range one byte earlier, honestly labelled
+                    first, _, last = headers["Range"].removeprefix("bytes=").partition("-")
+                    headers["Range"] = f"bytes={int(first) - 1}-{int(last) - 1}"
                 connection.request(self.command, self.path, body=body or None, headers=headers)
                 response = connection.getresponse()
                 data = response.read()
@@ -117,6 +128,8 @@ class FaultProxy:
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                     self.close_connection = True
                     return
+                if rule is not None and rule["kind"] == "short":  # a whole answer, one byte short of the range
+                    data = data[:-1]
                 length = int(response.getheader("Content-Length") or 0) if self.command == "HEAD" else len(data)
                 self._reply(response.status, data, kept, length)
 
@@ -125,9 +138,11 @@ class FaultProxy:
                     with proxy.faults.lock:
                         proxy.faults.rules = json.loads(body or b"[]")
                         proxy.faults.get_bytes = proxy.faults.requests = proxy.faults.fired = 0
+                        proxy.faults.first_fired_at = 0.0
                 with proxy.faults.lock:
                     faults = proxy.faults
                     stats = {"get_bytes": faults.get_bytes, "requests": faults.requests, "fired": faults.fired}
+                    stats["first_fired_at"] = faults.first_fired_at
                 self._reply(200, json.dumps(stats).encode(), {"Content-Type": "application/json"})
 
             def _reply(self, status: int, data: bytes, headers: dict[str, str], length: int | None = None) -> None:
@@ -269,16 +284,16 @@ def without_client_retries() -> None:
     S3FileSystem.retries = 1
 
 
-def set_faults(proxy: str, rules: list[dict[str, Any]]) -> dict[str, int]:
+def set_faults(proxy: str, rules: list[dict[str, Any]]) -> dict[str, Any]:
     """Replace the proxy's fault rules (and zero its counters); return the counters before."""
     return _control(proxy, "/__faults__", rules)
 
 
-def proxy_stats(proxy: str) -> dict[str, int]:
+def proxy_stats(proxy: str) -> dict[str, Any]:
     return _control(proxy, "/__stats__", None)
 
 
-def _control(proxy: str, path: str, payload: Any) -> dict[str, int]:
+def _control(proxy: str, path: str, payload: Any) -> dict[str, Any]:
     data = None if payload is None else json.dumps(payload).encode()
     with urllib.request.urlopen(urllib.request.Request(proxy + path, data=data, method="POST"), timeout=30) as answer:
         return json.loads(answer.read())
