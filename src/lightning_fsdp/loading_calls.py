@@ -194,16 +194,20 @@ def raise_if_path_refused(path: CheckpointPath, error: Exception, raw: bool, str
     the text of upstream's ``strategy`` follows (``shards`` names the sharded format in it), for code that matches it.
 
     """
-    if path.is_file() or (not raw and not isinstance(path, StoragePath) and _is_sharded_checkpoint(path)):
-        return
     try:
-        detect_checkpoint(path)
-    except CheckpointLoadError as detection_error:
-        reported = error if isinstance(error, CheckpointLoadError) else detection_error
-    else:
+        if path.is_file() or (not raw and not isinstance(path, StoragePath) and _is_sharded_checkpoint(path)):
+            return
+        try:
+            detect_checkpoint(path)
+        except CheckpointLoadError as detection_error:
+            reported = error if isinstance(error, CheckpointLoadError) else detection_error
+        else:
+            return
+        exists = path.exists()
+    except CheckpointLoadError:  # the store cannot be asked (it denies access, it stopped answering): the error stands
         return
     message = str(reported)
-    if path.exists():
+    if exists:
         if raw:
             upstream_message = (
                 "Failed to load checkpoint directly into the model. The given path must be a single file containing"

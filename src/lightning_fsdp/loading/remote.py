@@ -193,14 +193,24 @@ class RemotePath(StoragePath):
         return self._derived(self.fs_path.rsplit("/", 1)[0]) if "/" in self.fs_path else self
 
     def _info(self) -> dict[str, Any] | None:
-        """The store's description of this path, fresh (not from a listing cached earlier); ``None`` if absent."""
+        """The store's description of this path, fresh (not from a listing cached earlier); ``None`` if absent.
+
+        Once the store has not answered such a request, the paths of the load do not ask it again: they raise that
+        error at once (a store that stops answering ends a load after one request timeout, not one per question).
+
+        """
+        if self._shared.unanswered is not None:
+            raise self._shared.unanswered
         self.fs.invalidate_cache(self.fs_path)
         try:
             return self.call("info", self.fs_path)
         except FileNotFoundError:
             return None
         except Exception as error:
-            raise self.request_error(error, "cannot be read") from None
+            failure = self.request_error(error, "cannot be read")
+            if isinstance(error, TimeoutError):
+                self._shared.unanswered = failure
+            raise failure from None
 
     def exists(self) -> bool:
         return self._info() is not None
@@ -362,8 +372,8 @@ def remote_path(
 class _Shared:
     """What the paths made from one URL share.
 
-    The pinned size and ETag of each object, its cached blocks, the load's timeouts and when its requests last received
-    a byte.
+    The pinned size and ETag of each object, its cached blocks, the load's timeouts, when its requests last received
+    a byte, and the error of a request for a description that the store did not answer.
 
     """
 
@@ -371,6 +381,7 @@ class _Shared:
     blocks: dict[str, "OrderedDict[int, bytes]"] = field(default_factory=dict)
     timeouts: RemoteTimeouts = field(default_factory=RemoteTimeouts)
     progress: _Progress = field(default_factory=_Progress)
+    unanswered: CheckpointLoadError | None = None
 
 
 class RemoteFile(StorageFile):
