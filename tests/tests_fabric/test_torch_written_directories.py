@@ -1,11 +1,12 @@
 """Sharded directories that torch writes itself, not Fabric: a raw module state dict in sharded form.
 
 ``dcp.save(model.state_dict())`` on two gloo ranks (a model sharded with ``fully_shard``), the same with torch's
-``HuggingFaceStorageWriter`` without consolidation (safetensors files of slices whose headers give each slice's offsets,
-and no index), and torch's converter ``torch_save_to_dcp`` write the module's own names, with no ``"model"`` entry. ``fabric.load(path, {"model": model})``
-and ``fabric.load_raw(path, model)`` read them shard-locally, through the validated sharded reader, with FSDP1 and
-FSDP2, every tensor exactly. The model has a submodule named ``model`` (as Hugging Face models do), so its own names
-start with the key that ``fabric.load`` is given: only where DCP says each entry sat tells the two layouts apart.
+``HuggingFaceStorageWriter`` without consolidation (safetensors files of slices whose headers give each slice's
+offsets, and no index), and torch's converter ``torch_save_to_dcp`` write the module's own names, with no ``"model"``
+entry. ``fabric.load(path, {"model": model})`` and ``fabric.load_raw(path, model)`` read them shard-locally, through
+the validated sharded reader, with FSDP1 and FSDP2, every tensor exactly. The model has a submodule named ``model``
+(as Hugging Face models do), so its own names start with the key that ``fabric.load`` is given: only where DCP says
+each entry sat tells the two layouts apart.
 """
 
 import os
