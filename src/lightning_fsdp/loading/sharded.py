@@ -567,6 +567,11 @@ class SafetensorsSlicesReader(CheckedFileSystemReader):
                     for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
                         part = part.narrow(dim, start, length)
                     target = planner.resolve_tensor(item).detach()
+                    if target.size() != part.size():  # `copy_` would broadcast
+                        raise CheckpointLoadError(
+                            f"The slice of {item.storage_index.fqn!r} read from {name!r} has the shape"
+                            f" {list(part.size())}, the plan's target {list(target.size())}."
+                        )
                     target.copy_(part)
                     planner.commit_tensor(item, target)
         done: torch.futures.Future[None] = torch.futures.Future()
