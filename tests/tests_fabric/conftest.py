@@ -1,4 +1,5 @@
 import os
+from collections import Counter
 
 import pytest
 import torch.distributed
@@ -72,3 +73,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item], config: pytest.Confi
         (selected if is_standalone else deselected).append(item)
     config.hook.pytest_deselected(items=deselected)
     items[:] = selected
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say how many of the guide's example scripts ran, counted by this run: the README points at this line."""
+    from tests.tests_fabric.test_docs_examples import _EXAMPLES
+
+    outcomes: dict[str, str] = {}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            nodeid = getattr(report, "nodeid", "")
+            # A failed teardown after a passed call counts as failed.
+            if "test_docs_examples.py::test_docs_example_runs[" in nodeid and outcomes.get(nodeid) in (None, "passed"):
+                outcomes[nodeid] = outcome
+    if outcomes:
+        counts = Counter(outcomes.values())
+        shown = ", ".join(f"{counts[name]} {name}" for name in ("passed", "failed", "error", "skipped") if counts[name])
+        terminalreporter.write_line(
+            f"docs examples: {len(outcomes)} of the {len(_EXAMPLES)} scripts in docs/source-fabric/examples/ ran as"
+            f" scripts: {shown}"
+        )

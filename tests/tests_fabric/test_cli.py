@@ -89,6 +89,28 @@ def test_inspect_fabric_checkpoints(tmp_path, state_dict):
     assert summary["tensors"] == len(state_dict)
 
 
+def test_inspect_and_convert_safetensors_slices(tmp_path):
+    """The safetensors slices of torch's `HuggingFaceStorageWriter`: described with their tensors' whole shapes; a
+    sharded checkpoint already, so there is nothing to convert."""
+    from tests.tests_fabric.loading.test_safetensors_slices import _full_state, _write_slices
+
+    _write_slices(tmp_path / "slices", [(0, 4), (4, 7)])
+    summary = json.loads(_cli("inspect", str(tmp_path / "slices"), "--json").stdout)
+    expected = _full_state()
+    assert (summary["format"], summary["kind"], summary["files"], summary["tensors"]) == (
+        "safetensors-shards",
+        "sharded checkpoint (safetensors slices)",
+        2,
+        len(expected),
+    )
+    assert summary["tensor_bytes"] == sum(tensor.nbytes for tensor in expected.values())
+    assert summary["dtypes"] == {"bfloat16": 1, "float32": 2}
+    assert summary["largest_tensor"] == "embedding.weight"
+    result = _cli("convert", str(tmp_path / "slices"), str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "is a sharded checkpoint already: there is nothing to do" in result.stderr
+
+
 def test_bad_input_is_a_message_and_exit_code_not_a_traceback(tmp_path, state_dict):
     for case, (path, _) in write_bad_inputs(tmp_path, state_dict).items():
         commands = [["convert", str(path), str(tmp_path / f"out-{case}")]]

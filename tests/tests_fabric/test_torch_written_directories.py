@@ -1,10 +1,12 @@
 """Sharded directories that torch writes itself, not Fabric: a raw module state dict in sharded form.
 
-``dcp.save(model.state_dict())`` on two gloo ranks (a model sharded with ``fully_shard``) and torch's converter
-``torch_save_to_dcp`` write the module's own names, with no ``"model"`` entry. ``fabric.load(path, {"model": model})``
-and ``fabric.load_raw(path, model)`` read them shard-locally, through the validated sharded reader, with FSDP1 and
-FSDP2, every tensor exactly. The model has a submodule named ``model`` (as Hugging Face models do), so its own names
-start with the key that ``fabric.load`` is given: only where DCP says each entry sat tells the two layouts apart.
+``dcp.save(model.state_dict())`` on two gloo ranks (a model sharded with ``fully_shard``), the same with torch's
+``HuggingFaceStorageWriter`` without consolidation (safetensors files of slices whose headers give each slice's
+offsets, and no index), and torch's converter ``torch_save_to_dcp`` write the module's own names, with no ``"model"``
+entry. ``fabric.load(path, {"model": model})`` and ``fabric.load_raw(path, model)`` read them shard-locally, through
+the validated sharded reader, with FSDP1 and FSDP2, every tensor exactly. The model has a submodule named ``model``
+(as Hugging Face models do), so its own names start with the key that ``fabric.load`` is given: only where DCP says
+each entry sat tells the two layouts apart.
 """
 
 import os
@@ -48,6 +50,7 @@ def _write_with_torch(directory: str) -> None:
     """On every rank, with torch alone: shard the model with ``fully_shard`` and save its state as torch does."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -64,6 +67,8 @@ def _write_with_torch(directory: str) -> None:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         dcp.save(model.state_dict(), checkpoint_id=f"{directory}/dcp_save")
+        writer = HuggingFaceStorageWriter(f"{directory}/hf_storage_writer", save_distributed=True)
+        dcp.save(model.state_dict(), storage_writer=writer)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -74,8 +79,12 @@ def written(tmp_path_factory) -> tuple[dict[str, str], str]:
     """The directories torch wrote, by how, and the consolidated file of the same state."""
     directory = tmp_path_factory.mktemp("torch_written")
     run_distributed(_write_with_torch, str(directory), devices=_WORLD_SIZE, timeout=120)
-    paths = {name: str(directory / name) for name in ("dcp_save", "torch_save_to_dcp")}
+    paths = {name: str(directory / name) for name in ("dcp_save", "hf_storage_writer", "torch_save_to_dcp")}
     assert not any((Path(path) / "meta.pt").exists() for path in paths.values())  # not Fabric's
+    # One file of slices per rank, and nothing else: no `.metadata`, no index.
+    assert sorted(p.name for p in Path(paths["hf_storage_writer"]).iterdir()) == [
+        f"shard-0000{rank + 1}-model-00001-of-00001.safetensors" for rank in range(_WORLD_SIZE)
+    ]
     return paths, str(directory / "reference.pt")
 
 

@@ -176,7 +176,7 @@ def test_an_earlier_form_holds_until_the_step_that_carries_the_definition(items)
     assert "def _load_sharded" not in versions[first]
     assert "sharded checkpoint, which the distributed checkpoint reader reads" in versions[first]
     assert "_warn_uninitialized(path, request.module, result.written)" not in versions[first]
-    assert "result = _load_sharded(path, request, stagger)" in versions[sharded]
+    assert "result = _load_sharded(detected, request, stagger)" in versions[sharded]
     assert "_warn_uninitialized(path, request.module, result.written)" not in versions[sharded]
     assert "_warn_uninitialized(path, request.module, result.written)" in versions[carried]
     # Imports that only the left-out definitions used go with them.

@@ -30,6 +30,8 @@ from lightning_fsdp.loading.formats import (
     detect_checkpoint,
     open_checkpoint,
     open_every_tensor,
+    read_safetensors_shards,
+    safetensors_shards_specs,
 )
 from lightning_fsdp.loading.sources import TensorSource, TensorSpec, materialize, walk_tensors
 
@@ -72,6 +74,10 @@ def describe_checkpoint(path: str | Path, weights_only: bool = True) -> Checkpoi
     if detected.format is CheckpointFormat.FABRIC_SHARDED:
         specs, top_level = _sharded_specs(detected.path, weights_only)
         kind = "sharded checkpoint"
+    elif detected.format is CheckpointFormat.SAFETENSORS_SHARDS:
+        specs = safetensors_shards_specs(read_safetensors_shards(detected))
+        top_level = sorted(specs)
+        kind = "sharded checkpoint (safetensors slices)"
     else:
         opened = open_every_tensor(detected, weights_only)
         try:
@@ -137,7 +143,7 @@ def convert_checkpoint(
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise CheckpointLoadError(f"The output {str(output)!r} exists and is not an empty directory: choose another.")
     detected = detect_checkpoint(source)
-    if detected.format is CheckpointFormat.FABRIC_SHARDED:
+    if detected.format in (CheckpointFormat.FABRIC_SHARDED, CheckpointFormat.SAFETENSORS_SHARDS):
         raise CheckpointLoadError(f"{str(detected.path)!r} is a sharded checkpoint already: there is nothing to do.")
     opened = open_checkpoint(detected, module_key, weights_only, verify_crc=True)
     try:

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from lightning_fsdp.loading.errors import CheckpointLoadError, first_line, quoted_names
+from lightning_fsdp.loading.errors import CheckpointLoadError, first_line, printable, quoted_names
 from lightning_fsdp.loading.files import CheckpointPath, StoragePath, lexists, open_stream, require_regular_file
 from lightning_fsdp.loading.legacy import read_legacy_structure
-from lightning_fsdp.loading.safetensors_header import read_safetensors_locations
+from lightning_fsdp.loading.safetensors_header import read_safetensors_header, read_safetensors_locations
 from lightning_fsdp.loading.sources import (
     MAX_TENSORS,
     ByteRangeSource,
@@ -31,6 +31,7 @@ from lightning_fsdp.loading.sources import (
     TensorLocation,
     TensorRef,
     TensorSource,
+    TensorSpec,
     check_state_dict,
     map_tensors,
     walk_tensors,
@@ -48,6 +49,9 @@ MAX_INDEX_BYTES = 64 * 2**20
 _HF_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 #: Preferred when a directory holds indexes for both formats (safetensors never unpickles).
 _HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+#: The ``__metadata__`` entry of a safetensors file that torch's ``HuggingFaceStorageWriter`` writes: a JSON map of
+#: each tensor's name to the offsets of the slice the file holds (``{"saved_offsets": [...]}``).
+_TORCH_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 #: The entries that hold the module state in a checkpoint: ``fabric.save(path, {"model": model})`` and a Lightning
 #: ``Trainer`` checkpoint (``.ckpt``). ``load_raw`` takes a checkpoint whose only module state is one of them.
 _MODULE_ENTRIES = ("model", "state_dict")
@@ -66,6 +70,10 @@ class CheckpointFormat(str, Enum):
     """A ``.safetensors`` file (never unpickled)."""
     HF_INDEX = "hf-index"
     """A Hugging Face sharded checkpoint: an ``*.index.json`` naming the file that holds each tensor."""
+    SAFETENSORS_SHARDS = "safetensors-shards"
+    """A directory of safetensors files, each holding slices of tensors, as torch's ``HuggingFaceStorageWriter`` writes
+    them with ``save_distributed=True`` and no consolidation: each file's header records where each slice sits in its
+    tensor, and there is no index."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,9 @@ def _detect_directory(path: Path) -> DetectedCheckpoint:
     for name in _HF_SINGLE_FILES:
         if (path / name).exists():
             return detect_checkpoint(path / name)
+    shards = tuple(sorted(path.glob("*.safetensors")))
+    if shards and _TORCH_SHARDING_INFO_KEY in read_safetensors_header(shards[0])[1]:
+        return DetectedCheckpoint(path, CheckpointFormat.SAFETENSORS_SHARDS, shards)
     contents = sorted(p.name for p in path.iterdir())
     shown = quoted_names(contents)
     raise CheckpointLoadError(
@@ -278,7 +289,7 @@ def open_checkpoint(
         CheckpointLoadError: If the file is unreadable, unsafe, corrupt, or holds no module state.
 
     """
-    if detected.format is CheckpointFormat.FABRIC_SHARDED:
+    if detected.format in (CheckpointFormat.FABRIC_SHARDED, CheckpointFormat.SAFETENSORS_SHARDS):
         raise ValueError("A sharded checkpoint is read by `lightning_fsdp.loading.sharded`, not opened as a file.")
     if detected.format is CheckpointFormat.SAFETENSORS:
         return OpenedCheckpoint(ByteRangeSource(read_safetensors_locations(detected.path)))
@@ -463,6 +474,104 @@ def _open_index(detected: DetectedCheckpoint, weights_only: bool, verify_crc: bo
     if not whole:
         return ByteRangeSource(locations)
     return MergedSource([DictSource(whole), ByteRangeSource(locations)])
+
+
+@dataclass(frozen=True)
+class SafetensorsSlice:
+    """One slice of a tensor in a file of :attr:`CheckpointFormat.SAFETENSORS_SHARDS`."""
+
+    offsets: tuple[int, ...]
+    """Where the slice's first element sits in the tensor, per dimension."""
+    location: TensorLocation
+    """Where the slice's bytes are (its shape and dtype are the slice's)."""
+
+
+def read_safetensors_shards(detected: DetectedCheckpoint) -> dict[str, list[SafetensorsSlice]]:
+    """Every slice of every tensor in a directory of :attr:`CheckpointFormat.SAFETENSORS_SHARDS`, by tensor name.
+
+    Each file's header is checked as any safetensors file's is, and its ``DCP_SHARDING_INFO`` must give the offsets of
+    every tensor the file holds, one per dimension. Whether the slices tile their tensors is checked by the sharded
+    reader (:mod:`~lightning_fsdp.loading.sharded`), as for any sharded checkpoint.
+
+    Raises:
+        CheckpointLoadError: If a file is not valid safetensors, lacks the sharding information, or its offsets do not
+            describe its tensors; the message names the file.
+
+    """
+    slices: dict[str, list[SafetensorsSlice]] = {}
+    for file in detected.files:
+        locations, metadata = read_safetensors_header(file)
+        offsets = _sharding_offsets(file, metadata, locations)
+        for name, location in locations.items():
+            slices.setdefault(name, []).append(SafetensorsSlice(offsets[name], location))
+    for name, parts in slices.items():
+        kinds = {(str(part.location.spec.dtype).removeprefix("torch."), len(part.offsets)) for part in parts}
+        if len(kinds) > 1:
+            shown = ", ".join(f"{dtype} with {dims} dimension(s)" for dtype, dims in sorted(kinds))
+            raise CheckpointLoadError(
+                f"The slices of the tensor {name!r} in {str(detected.path)!r} differ ({shown}): the files were not"
+                " written by one save. Re-save the checkpoint."
+            )
+    return slices
+
+
+def safetensors_shards_specs(slices: Mapping[str, list[SafetensorsSlice]]) -> dict[str, TensorSpec]:
+    """The shape and dtype of each tensor that :func:`read_safetensors_shards` found: the extent of its slices.
+
+    The files record no tensor's shape, only where each slice starts, so the shape is where the last slice ends (as
+    torch's ``HuggingFaceStorageWriter``'s own reader takes it).
+
+    """
+    return {
+        name: TensorSpec(
+            tuple(
+                max(part.offsets[dim] + part.location.spec.shape[dim] for part in parts)
+                for dim in range(len(parts[0].offsets))
+            ),
+            parts[0].location.spec.dtype,
+        )
+        for name, parts in slices.items()
+    }
+
+
+def _sharding_offsets(
+    path: CheckpointPath, metadata: Mapping[str, str], locations: Mapping[str, TensorLocation]
+) -> dict[str, tuple[int, ...]]:
+    """The offsets of each slice of a file, from its ``DCP_SHARDING_INFO``: one count per dimension of each tensor."""
+
+    def invalid(reason: str) -> CheckpointLoadError:
+        return CheckpointLoadError(
+            f"The safetensors file {str(path)!r} is not a slice file as torch's `HuggingFaceStorageWriter` writes it:"
+            f" {reason}. Re-save the checkpoint."
+        )
+
+    text = metadata.get(_TORCH_SHARDING_INFO_KEY)
+    if text is None:
+        raise invalid(f"its header has no `{_TORCH_SHARDING_INFO_KEY}` (the offsets of its slices)")
+    try:
+        info = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise invalid(f"its `{_TORCH_SHARDING_INFO_KEY}` is not valid JSON ({first_line(error)})") from None
+    if not isinstance(info, dict):
+        raise invalid(f"its `{_TORCH_SHARDING_INFO_KEY}` is not a JSON object")
+    offsets = {}
+    for name, location in locations.items():
+        entry = info.get(name)
+        values = entry.get("saved_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(values, list)
+            or len(values) != len(location.spec.shape)
+            or not all(type(value) is int and value >= 0 for value in values)
+        ):
+            raise invalid(
+                f"the tensor {name!r} of shape {list(location.spec.shape)} has the offsets {printable(repr(values))}"
+                " (one non-negative integer per dimension expected)"
+            )
+        offsets[name] = tuple(values)
+    unknown = sorted(set(info) - set(locations))
+    if unknown:
+        raise invalid(f"its `{_TORCH_SHARDING_INFO_KEY}` names tensors it does not hold: {quoted_names(unknown)}")
+    return offsets
 
 
 def _as_mapping(obj: Any, path: Path) -> Mapping[Any, Any]:

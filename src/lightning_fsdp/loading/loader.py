@@ -20,8 +20,13 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.loading.conversions import with_declared_conversions
 from lightning_fsdp.loading.errors import CheckpointLoadError, described, quoted_names, unexpected_cause
-from lightning_fsdp.loading.files import CheckpointPath
-from lightning_fsdp.loading.formats import CheckpointFormat, OpenedCheckpoint, detect_checkpoint, open_checkpoint
+from lightning_fsdp.loading.formats import (
+    CheckpointFormat,
+    DetectedCheckpoint,
+    OpenedCheckpoint,
+    detect_checkpoint,
+    open_checkpoint,
+)
 from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.materialize import init_record
 from lightning_fsdp.loading.optimizer import local_optimizer_state
@@ -143,8 +148,8 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
         if stagger.any_rank(collected is None) and collected is not None:
             _warn_fallback("another rank cannot load its part of the model shard-locally")
             collected = None
-        if detected.format is CheckpointFormat.FABRIC_SHARDED:
-            result = _load_sharded(path, request, stagger)
+        if detected.format in (CheckpointFormat.FABRIC_SHARDED, CheckpointFormat.SAFETENSORS_SHARDS):
+            result = _load_sharded(detected, request, stagger)
         elif collected is not None and detected.reads_whole(request.weights_only):
             with stagger.turn(source_bytes=detected.nbytes):
                 opened = open_checkpoint(detected, request.module_key, request.weights_only)
@@ -213,14 +218,17 @@ def _load_file(
         opened.close()
 
 
-def _load_sharded(path: CheckpointPath, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
+def _load_sharded(detected: DetectedCheckpoint, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
     # Imported here: torch's distributed checkpoint package cannot be imported where `torch.distributed` is unavailable.
     from lightning_fsdp.loading.sharded import (
         check_sharded_request,
         load_sharded_checkpoint,
         module_entry,
         read_checked_metadata,
+        read_safetensors_shards_metadata,
     )
+
+    path = detected.path
 
     if request.rename is not None:
         raise CheckpointLoadError(
@@ -229,7 +237,10 @@ def _load_sharded(path: CheckpointPath, request: LoadRequest, stagger: Staggered
         )
     optimizer_keys = list(request.optimizers)
     # Read, unpickled and checked once: the check and the load below use the same metadata.
-    dcp_metadata = read_checked_metadata(path, request.weights_only)
+    if detected.format is CheckpointFormat.SAFETENSORS_SHARDS:
+        dcp_metadata = read_safetensors_shards_metadata(detected)
+    else:
+        dcp_metadata = read_checked_metadata(path, request.weights_only)
     key = module_entry(dcp_metadata, request.module_key)  # `None`: the directory is a raw module state dict
     if key is None:
         _check_raw_request(request)

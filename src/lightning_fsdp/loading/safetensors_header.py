@@ -51,6 +51,16 @@ def read_safetensors_locations(path: Path) -> dict[str, TensorLocation]:
         CheckpointLoadError: If the file is not a valid safetensors file; the message says what is wrong.
 
     """
+    return read_safetensors_header(path)[0]
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorLocation], dict[str, str]]:
+    """:func:`read_safetensors_locations`, and the header's ``__metadata__`` (a map of strings, empty where absent).
+
+    Raises:
+        CheckpointLoadError: If the file is not a valid safetensors file; the message says what is wrong.
+
+    """
     file_size = require_regular_file(path).st_size
     file = open_file(path)
     try:
@@ -105,7 +115,7 @@ def read_safetensors_locations(path: Path) -> dict[str, TensorLocation]:
         locations[name] = TensorLocation(path, data_start + begin, end - begin, spec)
     if data_start + expected_begin != file_size:
         raise _invalid(path, f"its tensors cover {expected_begin} bytes but the file holds {file_size - data_start}")
-    return locations
+    return locations, metadata
 
 
 def _entry(path: Path, name: str, value: Any) -> tuple[str, int, int, TensorSpec]:

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar, cast
 
@@ -71,7 +72,13 @@ from lightning_fsdp.loading.files import (
     lexists,
     require_regular_file,
 )
-from lightning_fsdp.loading.formats import DCP_METADATA_FILENAME, FABRIC_METADATA_FILENAME
+from lightning_fsdp.loading.formats import (
+    DCP_METADATA_FILENAME,
+    FABRIC_METADATA_FILENAME,
+    DetectedCheckpoint,
+    read_safetensors_shards,
+    safetensors_shards_specs,
+)
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.sources import materialize
@@ -170,6 +177,44 @@ def read_checked_metadata(path: CheckpointPath, weights_only: bool) -> Metadata:
     """:func:`read_dcp_metadata`, then :func:`check_storage_files`: what a load reads once and uses throughout."""
     metadata = read_dcp_metadata(path, weights_only)
     check_storage_files(path, metadata)
+    return metadata
+
+
+def read_safetensors_shards_metadata(detected: DetectedCheckpoint) -> Metadata:
+    """The distributed checkpoint metadata of a directory of safetensors slices (torch's ``HuggingFaceStorageWriter``).
+
+    Such a directory has no ``.metadata``: each file's header says which slices of which tensors it holds
+    (:func:`~lightning_fsdp.loading.formats.read_safetensors_shards`). They are described here as DCP describes the
+    chunks of its own files, and checked the same way (the slices of each tensor must tile it exactly), so the rest of
+    the sharded load, and its resharding to the model's layout, serve them unchanged. The directory holds a module's
+    state dict, its names at the top level; :class:`SafetensorsSlicesReader` reads it.
+
+    Raises:
+        CheckpointLoadError: If a file is invalid, or the slices of a tensor overlap or leave part of it out.
+
+    """
+    slices = read_safetensors_shards(detected)
+    specs = safetensors_shards_specs(slices)
+    entries: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for name, parts in slices.items():
+        chunks = []
+        for part in parts:
+            offsets = torch.Size(part.offsets)
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(part.location.spec.shape)))
+            location = part.location
+            storage[MetadataIndex(name, offsets)] = _SafetensorsSliceInfo(
+                location.file.name, location.storage_offset, location.storage_nbytes, shape=location.spec.shape
+            )
+        spec = specs[name]
+        entries[name] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), torch.Size(spec.shape), chunks)
+    metadata = Metadata(entries, planner_data={name: (name,) for name in entries}, storage_data=storage)
+    problems = _metadata_problems(metadata)
+    if problems:
+        raise CheckpointLoadError(
+            f"The safetensors slices in {str(detected.path)!r} do not form whole tensors: {shown_items(problems)}."
+            " A file is missing or comes from another save: re-copy or re-save the checkpoint."
+        )
     return metadata
 
 
@@ -278,7 +323,8 @@ def load_sharded_checkpoint(
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     metadata = dcp_metadata if dcp_metadata is not None else read_checked_metadata(path, weights_only)
-    reader = CheckedFileSystemReader(path, metadata, weights_only=weights_only)
+    slices = any(isinstance(info, _SafetensorsSliceInfo) for info in metadata.storage_data.values())
+    reader = (SafetensorsSlicesReader if slices else CheckedFileSystemReader)(path, metadata, weights_only=weights_only)
     dtensors = has_dtensor_params(module)
     with torch_internal_warnings_silenced(), _sharded_state_dict_context(module, dtensors):
         model_state = _model_state_to_read_into(module, dtensors)
@@ -483,6 +529,54 @@ class CheckedFileSystemReader(FileSystemReader):
         if isinstance(file, StorageFile):
             return _fetch_entry(file, sinfo)
         return super()._slice_file(file, sinfo)
+
+
+@dataclass
+class _SafetensorsSliceInfo(_StorageInfo):
+    """Where a slice of a tensor is in a safetensors file: its raw bytes, in the shape of the slice."""
+
+    shape: tuple[int, ...] = ()
+
+
+class SafetensorsSlicesReader(CheckedFileSystemReader):
+    """A DCP reader for the safetensors slices that :func:`read_safetensors_shards_metadata` described.
+
+    A slice is stored as raw little-endian bytes in a safetensors file, not as a ``torch.save`` payload as in DCP's
+    own files: each request reads the bytes of its slice (exactly their range, from object storage too) and copies the
+    part the plan asks for. Nothing is unpickled.
+
+    """
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    dtype = self._metadata.state_dict_metadata[item.storage_index.fqn].properties.dtype
+                    data = bytearray(self._slice_file(stream, info).read(info.length))
+                    if len(data) != info.length:
+                        raise CheckpointLoadError(
+                            f"The file {name!r} of {str(self.path)!r} ended within the slice of"
+                            f" {item.storage_index.fqn!r}: it was truncated during the load. Re-copy or re-save it."
+                        )
+                    stored = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+                    part = stored.reshape(info.shape)
+                    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                        part = part.narrow(dim, start, length)
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != part.size():  # `copy_` would broadcast
+                        raise CheckpointLoadError(
+                            f"The slice of {item.storage_index.fqn!r} read from {name!r} has the shape"
+                            f" {list(part.size())}, the plan's target {list(target.size())}."
+                        )
+                    target.copy_(part)
+                    planner.commit_tensor(item, target)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
 
 
 def _fetch_entry(file: StorageFile, info: _StorageInfo) -> IO[bytes]:

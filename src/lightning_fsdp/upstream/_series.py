@@ -560,11 +560,11 @@ _SHARDED_TO_UPSTREAM = """\
 _LOAD_WITHOUT_SHARDED = EarlierForm(
     f"{_LOADER}::load",
     old="""\
-        if detected.format is CheckpointFormat.FABRIC_SHARDED:
-            result = _load_sharded(path, request, stagger)
+        if detected.format in (CheckpointFormat.FABRIC_SHARDED, CheckpointFormat.SAFETENSORS_SHARDS):
+            result = _load_sharded(detected, request, stagger)
         elif collected""",
     new="""\
-        if detected.format is CheckpointFormat.FABRIC_SHARDED:
+        if detected.format in (CheckpointFormat.FABRIC_SHARDED, CheckpointFormat.SAFETENSORS_SHARDS):
             raise CheckpointLoadError(
                 f"{str(path)!r} is a sharded checkpoint, which the distributed checkpoint reader reads: load it with"
                 " `fabric.load(path, {'model': model})`."
@@ -1286,6 +1286,7 @@ STEPS: tuple[Step, ...] = (
             f"{_MODEL_PARALLEL}::ModelParallelStrategy.load_checkpoint",
             f"{_TESTS}/helpers/hostile_dcp.py",
             f"{_TESTS}/loading/test_sharded.py",
+            f"{_TESTS}/loading/test_safetensors_slices.py",
             f"{_TESTS}/test_load_sharded_hostile.py",
             f"{_TESTS}/test_fsdp_roundtrip.py",
             f"{_TESTS}/test_quiet.py",

@@ -83,6 +83,35 @@ def test_sharded_entries_are_fetched_exactly(sharded_url, monkeypatch):
     assert target["extra"]["lr"] == 0.5
 
 
+def test_safetensors_slices_are_fetched_exactly(tmp_path):
+    """Safetensors slices (torch's `HuggingFaceStorageWriter` layout) in object storage: detected from the headers, and
+    each slice that the plan reads fetched by its exact byte range."""
+    from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint
+    from lightning_fsdp.loading.sharded import SafetensorsSlicesReader, read_safetensors_shards_metadata
+    from tests.tests_fabric.loading.test_safetensors_slices import _full_state, _write_slices
+
+    _write_slices(tmp_path / "slices", [(0, 4), (4, 7)])
+    fs = fsspec.filesystem("memory")
+    for file in (tmp_path / "slices").iterdir():
+        fs.pipe(f"/remote-tests/slices/{file.name}", file.read_bytes())
+    try:
+        detected = detect_checkpoint(remote_path("memory://remote-tests/slices"))
+        assert detected.format is CheckpointFormat.SAFETENSORS_SHARDS
+        metadata = read_safetensors_shards_metadata(detected)
+        target = {"embedding.weight": torch.zeros(7, 4)}
+        before = fetched_bytes()
+        dcp.load(
+            target,
+            storage_reader=SafetensorsSlicesReader(detected.path, metadata),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+        )
+        slices = [info.length for index, info in metadata.storage_data.items() if index.fqn == "embedding.weight"]
+        assert fetched_bytes() - before == sum(slices) == 7 * 4 * 4
+        assert torch.equal(target["embedding.weight"], _full_state()["embedding.weight"])
+    finally:
+        fs.rm("/remote-tests", recursive=True)
+
+
 def test_sharded_metadata_payload_is_refused(sharded_url, tmp_path):
     url, _ = sharded_url
     metadata = read_dcp_metadata(remote_path(url))
