@@ -30,8 +30,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning.fabric.strategies import FSDPStrategy as _FSDPStrategy
-from lightning.fabric.strategies.fsdp import _has_fsdp_modules, _is_sharded_checkpoint
+from lightning.fabric.strategies.fsdp import _has_fsdp_modules
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH
@@ -67,8 +68,8 @@ class FSDPStrategy(_FSDPStrategy):
     ) -> dict[str, Any]:
         if not state or isinstance(state, Optimizer):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        path = Path(self.broadcast(path))
-        if _is_sharded_checkpoint(path) or not (path.is_file() or _find_hf_index(path) is not None):
+        path = self.broadcast(path)
+        if not _is_checkpoint_file(path):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if isinstance(state, Module):
             state, module_key = {"model": state}, "model"
@@ -77,7 +78,16 @@ class FSDPStrategy(_FSDPStrategy):
         modules = [key for key, value in state.items() if _has_fsdp_modules(value)]
         if len(modules) != 1:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        # a full checkpoint may hold any object, as `_lazy_load` reads it
+        weights_only = False if weights_only is None else weights_only
         return _load_full_checkpoint(path, state, modules[0], strict, weights_only, self.local_rank, self.num_processes)
+
+
+def _is_checkpoint_file(path: _PATH) -> bool:
+    """Whether ``path`` is a checkpoint file (local or remote) or the index of a sharded Hugging Face checkpoint."""
+    if not _is_local_file_protocol(path):
+        return get_filesystem(path).isfile(str(path))
+    return Path(path).is_file() or _find_hf_index(path) is not None
 
 
 def _own_device_context(device: torch.device) -> AbstractContextManager:
@@ -86,7 +96,7 @@ def _own_device_context(device: torch.device) -> AbstractContextManager:
 
 
 def _load_full_checkpoint(
-    path: Path,
+    path: _PATH,
     state: dict[str, Any],
     module_key: str,
     strict: bool,
@@ -97,8 +107,8 @@ def _load_full_checkpoint(
     """Load a full checkpoint or a raw module state dict into ``state``, each rank copying only its own shards.
 
     A file that can be read lazily (a zip-format ``torch.save`` file, safetensors, a Hugging Face index) is opened on
-    every rank at once; one that has to be read whole (the legacy ``torch.save`` format) is read by one rank of a node
-    at a time.
+    every rank at once; one that has to be read whole (the legacy ``torch.save`` format, a file in object storage) is
+    read by one rank of a node at a time, so that a node never holds more than one copy.
 
     """
     load = partial(_load_full_checkpoint_into, path, state, module_key, strict, weights_only)
@@ -107,15 +117,13 @@ def _load_full_checkpoint(
 
 
 def _load_full_checkpoint_into(
-    path: Path, state: dict[str, Any], module_key: str, strict: bool, weights_only: Optional[bool]
+    path: _PATH, state: dict[str, Any], module_key: str, strict: bool, weights_only: Optional[bool]
 ) -> dict[str, Any]:
-    # a checkpoint that only a raw state dict can be (safetensors, an index) holds no arbitrary objects
-    weights_only = True if weights_only is None and _is_raw_checkpoint_file(path) else weights_only
-    checkpoint = _lazy_load_state_dict(path, weights_only=weights_only is not False)
-    if module_key not in checkpoint:
+    checkpoint = _lazy_load_state_dict(path, weights_only=weights_only)
+    if _is_raw_checkpoint_file(path) or not isinstance(checkpoint.get(module_key), Mapping):
         # a raw module state dict (`torch.save(model.state_dict())`, safetensors, a Hugging Face checkpoint)
-        _validate_keys_for_strict_loading(state.keys() - {module_key}, set(), strict=strict)
         checkpoint = {module_key: checkpoint}
+    _validate_keys_for_strict_loading(state.keys() - {module_key}, checkpoint.keys(), strict=strict)
     module = state[module_key]
     _load_fsdp_module_state(checkpoint.pop(module_key), module, strict=strict)
     optimizers = {key: optim for key, optim in state.items() if isinstance(optim, Optimizer)}
@@ -123,7 +131,6 @@ def _load_full_checkpoint_into(
         if optim_key in checkpoint:
             optim.load_state_dict(_local_optimizer_state(checkpoint.pop(optim_key), module, optim))
     requested_metadata_keys = state.keys() - {module_key} - optimizers.keys()
-    _validate_keys_for_strict_loading(requested_metadata_keys, checkpoint.keys(), strict=strict)
     _move_state_into(source=checkpoint, destination=state, keys=requested_metadata_keys)
     return checkpoint
 

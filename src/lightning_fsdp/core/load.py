@@ -27,6 +27,7 @@ import torch
 from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor
 
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol, _load
 from lightning.fabric.utilities.types import _PATH
 
 _SAFETENSORS_AVAILABLE = RequirementCache("safetensors")
@@ -64,15 +65,19 @@ def _is_raw_checkpoint_file(path: _PATH) -> bool:
     return _is_safetensors_file(path) or _find_hf_index(path) is not None
 
 
-def _lazy_load_state_dict(path: _PATH, weights_only: bool = True) -> Mapping[str, Any]:
+def _lazy_load_state_dict(path: _PATH, weights_only: Optional[bool] = None) -> Mapping[str, Any]:
     """Open a checkpoint file without reading its tensors into memory.
 
     A ``torch.save`` file is memory-mapped (tensors are read where they are touched), a ``.safetensors`` file and the
     shards of a Hugging Face index are opened with :func:`safetensors.safe_open` (values are slices that read what
     they are indexed with), and the ``.bin`` shards of an index are memory-mapped. A ``torch.save`` file in the legacy
-    (non-zip) format cannot be memory-mapped and is read whole.
+    (non-zip) format and a file in object storage cannot be memory-mapped and are read whole. ``weights_only`` is passed
+    to :func:`torch.load`.
 
     """
+    if not _is_local_file_protocol(path):
+        # object storage cannot be memory-mapped: the file is read whole (see `_is_mmappable`)
+        return _load(path, map_location="cpu", weights_only=weights_only)
     index = _find_hf_index(path)
     if index is not None:
         return _ShardedStateDict(index, weights_only)
@@ -85,6 +90,8 @@ def _lazy_load_state_dict(path: _PATH, weights_only: bool = True) -> Mapping[str
 
 def _is_mmappable(path: _PATH) -> bool:
     """Whether :func:`_lazy_load_state_dict` reads ``path`` lazily (a legacy-format torch file has to be read whole)."""
+    if not _is_local_file_protocol(path):
+        return False
     return _find_hf_index(path) is not None or _is_safetensors_file(path) or zipfile.is_zipfile(path)
 
 
@@ -116,7 +123,7 @@ class _SafetensorsStateDict(Mapping):
 class _ShardedStateDict(Mapping):
     """The tensors of a Hugging Face sharded checkpoint by name, opened lazily shard by shard."""
 
-    def __init__(self, index: Path, weights_only: bool) -> None:
+    def __init__(self, index: Path, weights_only: Optional[bool]) -> None:
         with open(index) as file:
             weight_map = json.load(file).get("weight_map")
         if not isinstance(weight_map, dict):
