@@ -1,3 +1,4 @@
+import argparse
 import json
 from unittest import mock
 
@@ -108,7 +109,12 @@ def _run_load_full_checkpoint(strategy, tmp_path, use_orig_params):
     config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
     optim_config = FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config, optim_config):
-        checkpoint = {"model": model.state_dict(), "optimizer": FSDP.optim_state_dict(model, optimizer), "step": 3}
+        checkpoint = {
+            "model": model.state_dict(),
+            "optimizer": FSDP.optim_state_dict(model, optimizer),
+            "step": 3,
+            "hparams": argparse.Namespace(lr=0.01),  # any object: a full checkpoint is unpickled in full by default
+        }
     if strategy.global_rank == 0:
         torch.save(checkpoint, tmp_path / "full.ckpt")
     strategy.barrier()
@@ -117,7 +123,7 @@ def _run_load_full_checkpoint(strategy, tmp_path, use_orig_params):
     loaded_optimizer = torch.optim.Adam(loaded.parameters(), lr=torch.tensor(0.5))
     state = {"model": loaded, "optimizer": loaded_optimizer, "step": 0}
     remainder = strategy.load_checkpoint(tmp_path / "full.ckpt", state)
-    assert remainder == {}
+    assert remainder == {"hparams": argparse.Namespace(lr=0.01)}
     assert state["step"] == 3
     _assert_equal_state(_full_state_dict(loaded), checkpoint["model"])
     # the optimizer continues exactly where the saved one was
@@ -139,6 +145,11 @@ def test_fsdp_load_full_checkpoint_shard_local(tmp_path, use_orig_params):
 def _run_strict_error(strategy, tmp_path):
     model = _sharded(strategy)
     before = _full_state_dict(model)
+    optimizer = torch.optim.Adam(model.parameters())
+    # a raw state dict holds no optimizer state
+    with pytest.raises(KeyError, match="'optimizer' that does not exist in the loaded checkpoint"):
+        strategy.load_checkpoint(tmp_path / "model.pt", {"model": model, "optimizer": optimizer})
+    _assert_equal_state(_full_state_dict(model), before)
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: '2.bias'"):
         strategy.load_checkpoint(tmp_path / "partial.pt", model)
     # names were checked before anything was written
@@ -150,6 +161,7 @@ def _run_strict_error(strategy, tmp_path):
 @RunIf(min_torch="2.4")
 def test_fsdp_load_raw_strict_error_leaves_model_untouched(tmp_path):
     state_dict = _model().state_dict()
+    torch.save(state_dict, tmp_path / "model.pt")
     del state_dict["2.bias"]
     torch.save(state_dict, tmp_path / "partial.pt")
     _spawn_on_cpu(_run_strict_error, tmp_path)
