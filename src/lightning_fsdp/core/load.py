@@ -18,11 +18,10 @@ Destination: ``src/lightning/fabric/utilities/load.py`` (module-level functions)
 
 import json
 import math
-import os
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from lightning_utilities.core.imports import RequirementCache
@@ -70,7 +69,8 @@ def _lazy_load_state_dict(path: _PATH, weights_only: bool = True) -> Mapping[str
 
     A ``torch.save`` file is memory-mapped (tensors are read where they are touched), a ``.safetensors`` file and the
     shards of a Hugging Face index are opened with :func:`safetensors.safe_open` (values are slices that read what
-    they are indexed with), and the ``.bin`` shards of an index are memory-mapped.
+    they are indexed with), and the ``.bin`` shards of an index are memory-mapped. A ``torch.save`` file in the legacy
+    (non-zip) format cannot be memory-mapped and is read whole.
 
     """
     index = _find_hf_index(path)
@@ -78,7 +78,9 @@ def _lazy_load_state_dict(path: _PATH, weights_only: bool = True) -> Mapping[str
         return _ShardedStateDict(index, weights_only)
     if _is_safetensors_file(path):
         return _SafetensorsStateDict(path)
-    return torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    # the legacy format cannot be memory-mapped: it is read whole (see `_is_mmappable`)
+    mmap = zipfile.is_zipfile(path)
+    return torch.load(path, mmap=mmap, map_location="cpu", weights_only=weights_only)
 
 
 def _is_mmappable(path: _PATH) -> bool:
@@ -118,7 +120,7 @@ class _ShardedStateDict(Mapping):
         with open(index) as file:
             weight_map = json.load(file).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"The index {str(index)!r} has no `weight_map`: it is not a Hugging Face checkpoint index.")
+            raise ValueError(f"The index {str(index)!r} has no `weight_map`: it is not a Hugging Face index.")
         folder = index.parent.resolve()
         for shard in set(weight_map.values()):
             if not (folder / shard).resolve().is_relative_to(folder):
@@ -162,17 +164,3 @@ def _read_flat(value: Any, start: int, stop: int) -> Tensor:
 def _read_box(value: Any, box: tuple[slice, ...]) -> Tensor:
     """The sub-tensor ``value[box]``, reading only what it holds from a lazy source."""
     return value[box] if box else value[...]
-
-
-def _checkpoint_size(path: _PATH) -> int:
-    """The size in bytes of a checkpoint file, or of the shards its index names."""
-    index = _find_hf_index(path)
-    if index is None:
-        return os.path.getsize(path)
-    with open(index) as file:
-        shards = set(json.load(file)["weight_map"].values())
-    return sum(os.path.getsize(index.parent / shard) for shard in shards)
-
-
-def _as_path(path: Union[str, Path]) -> Path:
-    return path if isinstance(path, Path) else Path(path)
