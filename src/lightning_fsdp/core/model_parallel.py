@@ -46,9 +46,6 @@ from lightning_fsdp.core.load import (
     _shape_of,
 )
 
-# a tensor of the module (the local tensor of a `DTensor`), the part of the full tensor that it holds, and the source
-_Copy = tuple[Tensor, tuple[slice, ...], Any]
-
 
 class ModelParallelStrategy(_ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` with the core's loading: the methods dispatch to the functions below."""
@@ -105,14 +102,14 @@ def _load_dtensor_checkpoint(
         checkpoint = {module_key: checkpoint}
     _validate_keys_for_strict_loading(state.keys() - {module_key}, checkpoint.keys(), strict=strict)
     module = state[module_key]
-    copies = _dtensor_module_state_copies(checkpoint.pop(module_key), module, strict=strict)
     optimizers = {key: optim for key, optim in state.items() if isinstance(optim, Optimizer)}
+    # the optimizers' states are read (and checked) first, so that an error leaves the model untouched
     optimizer_states = {
-        key: _dtensor_optimizer_state(checkpoint.pop(key), module, optim)
+        key: _local_dtensor_optimizer_state(checkpoint.pop(key), module, optim)
         for key, optim in optimizers.items()
         if key in checkpoint
     }
-    _copy_into_local_tensors(copies)
+    _load_dtensor_module_state(checkpoint.pop(module_key), module, strict=strict)
     for key, optimizer_state in optimizer_states.items():
         optimizers[key].load_state_dict(optimizer_state)
     requested_metadata_keys = state.keys() - {module_key} - optimizers.keys()
@@ -121,25 +118,16 @@ def _load_dtensor_checkpoint(
 
 
 def _load_dtensor_module_state(state_dict: Mapping[str, Any], module: Module, strict: bool = True) -> None:
-    """Copy this rank's part of every tensor from a full (lazily read) state dict into the module's local tensors.
+    """Copy the rank's part of every tensor from a full (lazily read) state dict into the module's local tensors.
 
-    Names and shapes are checked, and reported as :meth:`torch.nn.Module.load_state_dict` reports them, before
-    anything is written.
-
-    """
-    _copy_into_local_tensors(_dtensor_module_state_copies(state_dict, module, strict=strict))
-
-
-def _dtensor_module_state_copies(state_dict: Mapping[str, Any], module: Module, strict: bool = True) -> list[_Copy]:
-    """Check a full state dict against the module, and list what this rank copies from where.
-
-    Missing, unexpected and mismatched names raise the ``RuntimeError`` of :meth:`torch.nn.Module.load_state_dict`;
-    with ``strict=False``, missing and unexpected names are skipped. A tensor that several names share (tied weights)
-    is copied once.
+    Each ``DTensor`` gets the part of the full tensor that its local tensor holds, read only there; other tensors are
+    copied whole. Names and shapes are checked first: missing, unexpected and mismatched names raise the error of
+    :meth:`torch.nn.Module.load_state_dict` before anything is written (with ``strict=False``, missing and unexpected
+    names are skipped). A tensor that several names share (tied weights) is written once.
 
     """
     targets = module.state_dict(keep_vars=True)
-    copies: dict[int, _Copy] = {}
+    copies: dict[int, tuple[Tensor, tuple[slice, ...], Any]] = {}
     errors = []
     for name, target in targets.items():
         if name not in state_dict:
@@ -161,7 +149,9 @@ def _dtensor_module_state_copies(state_dict: Mapping[str, Any], module: Module, 
             errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
     if errors:
         raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors))
-    return list(copies.values())
+    with torch.no_grad():
+        for local, box, source in copies.values():
+            local.copy_(_read_box(source, box))
 
 
 def _local_tensor_and_box(tensor: Tensor) -> tuple[Tensor, tuple[slice, ...]]:
@@ -186,13 +176,7 @@ def _local_tensor_and_box(tensor: Tensor) -> tuple[Tensor, tuple[slice, ...]]:
     return local, tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
-def _copy_into_local_tensors(copies: list[_Copy]) -> None:
-    with torch.no_grad():
-        for local, box, source in copies:
-            local.copy_(_read_box(source, box))
-
-
-def _dtensor_optimizer_state(
+def _local_dtensor_optimizer_state(
     optimizer_state: Mapping[str, Any], module: Module, optimizer: Optimizer
 ) -> dict[str, Any]:
     """The rank's part of a full optimizer state, as :meth:`torch.optim.Optimizer.load_state_dict` takes it.
@@ -215,11 +199,11 @@ def _dtensor_optimizer_state(
     params = [param for group in optimizer.param_groups for param in group["params"]]
     by_index = all(isinstance(key, int) for group in saved_groups for key in group["params"])
     keys = list(range(len(params))) if by_index else [names.get(id(param)) for param in params]
-    unknown = [key for key in saved_state if key not in keys]
+    unknown = set(saved_state) - set(keys)
     if unknown:
         raise ValueError(
-            f"The checkpoint's optimizer state holds parameters that the optimizer does not: {unknown}. Create the"
-            " optimizer with the parameters of the one that was saved."
+            "The checkpoint's optimizer state holds parameters that the optimizer does not:"
+            f" {sorted(map(str, unknown))}. Create the optimizer with the parameters of the one that was saved."
         )
     state = {
         index: {name: _local_optimizer_value(value, param) for name, value in saved_state[key].items()}
