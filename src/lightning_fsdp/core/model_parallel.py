@@ -36,7 +36,7 @@ from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loadi
 from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_5
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH
-from lightning_fsdp.core.fsdp import _own_device_context, _run_in_turns, _run_on_all_ranks
+from lightning_fsdp.core.fsdp import _materialized, _own_device_context, _run_in_turns, _run_on_all_ranks
 from lightning_fsdp.core.load import (
     _find_hf_index,
     _is_mmappable,
@@ -214,14 +214,14 @@ def _local_dtensor_optimizer_state(
     for saved_group, group in zip(saved_groups, optimizer.param_groups):
         indices = list(range(start, start + len(group["params"])))
         start += len(group["params"])
-        groups.append({**{k: _copied(v) for k, v in saved_group.items() if k != "params"}, "params": indices})
+        groups.append({**{k: _materialized(v) for k, v in saved_group.items() if k != "params"}, "params": indices})
     return {"state": state, "param_groups": groups}
 
 
 def _local_optimizer_value(value: Any, param: Tensor) -> Any:
     """The rank's part of one optimizer state of ``param``: a ``DTensor`` like ``param`` if it has its shape."""
     if not isinstance(value, Tensor) or value.shape != param.shape or value.dim() == 0:
-        return _copied(value)
+        return _materialized(value)
     local, box = _local_tensor_and_box(param)
     local_value = _read_box(value, box).to(device=local.device, copy=True)
     if local is param:
@@ -229,8 +229,3 @@ def _local_optimizer_value(value: Any, param: Tensor) -> Any:
     return type(param).from_local(
         local_value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
-
-
-def _copied(value: Any) -> Any:
-    """A tensor read from the checkpoint into memory of its own (a memory-mapped one would keep the file open)."""
-    return value.clone() if isinstance(value, Tensor) else value

@@ -20,9 +20,9 @@ class _SpawnedModelParallelStrategy(ModelParallelStrategy):
 class _Model(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embedding = nn.Embedding(7, 6)
-        self.w1 = nn.Linear(6, 5)  # 5 rows: 3 and 2 over two ranks
-        self.w2 = nn.Linear(5, 6)
+        self.embedding = nn.Embedding(7, 6)  # 7 rows: 4 and 3 over two ranks
+        self.w1 = nn.Linear(6, 4)
+        self.w2 = nn.Linear(4, 6)
         self.gate = nn.Parameter(torch.randn(1, 6))  # one row: the second rank's shard is empty
         self.head = nn.Linear(6, 7, bias=False)
         self.head.weight = self.embedding.weight  # tied
@@ -153,11 +153,23 @@ def _run_load_full_checkpoint(fabric, tmp_path):
     _train_step(loaded, loaded_optimizer)
     _assert_equal_state(_full_state(loaded), _full_state(model))
 
+    # an optimizer that does not fit the saved one: the error comes before the model is written
+    untouched = _setup(fabric)
+    before = _full_state(untouched)
+    rest = [param for param in untouched.parameters() if param is not untouched.w1.weight]
+    groups = [{"params": [untouched.w1.weight]}, {"params": rest}]
+    state = {"model": untouched, "optimizer": torch.optim.Adam(groups)}
+    with pytest.raises(ValueError, match="has 1 parameter groups, the optimizer has 2"):
+        fabric.load(tmp_path / "full.ckpt", state)
+    _assert_equal_state(_full_state(untouched), before)
+
 
 @RunIf(min_torch="2.4")
-def test_model_parallel_load_full_checkpoint_shard_local(tmp_path):
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_model_parallel_load_full_checkpoint_shard_local(tmp_path, tensor_parallel_size):
     """A full checkpoint restores the model and the Adam state, each rank copying only its slices."""
-    _fabric(save_distributed_checkpoint=False).launch(_run_load_full_checkpoint, tmp_path)
+    fabric = _fabric(tensor_parallel_size, save_distributed_checkpoint=False)
+    fabric.launch(_run_load_full_checkpoint, tmp_path)
 
 
 def _run_strict_error(fabric, tmp_path):
