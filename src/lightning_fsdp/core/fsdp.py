@@ -102,9 +102,8 @@ def _load_full_checkpoint(
 
     """
     load = partial(_load_full_checkpoint_into, path, state, module_key, strict, weights_only)
-    if _is_mmappable(path):
-        return _run_on_all_ranks(load)
-    return _run_in_turns(load, local_rank, local_world_size)
+    # every rank runs the same collectives, whatever it found at the path
+    return _run_in_turn(load, turn=0 if _is_mmappable(path) else local_rank, turns=local_world_size)
 
 
 def _load_full_checkpoint_into(
@@ -115,8 +114,7 @@ def _load_full_checkpoint_into(
     checkpoint = _lazy_load_state_dict(path, weights_only=weights_only is not False)
     if module_key not in checkpoint:
         # a raw module state dict (`torch.save(model.state_dict())`, safetensors, a Hugging Face checkpoint)
-        requested = state.keys() - {module_key}
-        _validate_keys_for_strict_loading(requested, set(), strict=strict)
+        _validate_keys_for_strict_loading(state.keys() - {module_key}, set(), strict=strict)
         checkpoint = {module_key: checkpoint}
     module = state[module_key]
     _load_fsdp_module_state(checkpoint.pop(module_key), module, strict=strict)
@@ -125,38 +123,27 @@ def _load_full_checkpoint_into(
         if optim_key in checkpoint:
             optim.load_state_dict(_local_optimizer_state(checkpoint.pop(optim_key), module, optim))
     requested_metadata_keys = state.keys() - {module_key} - optimizers.keys()
-    _validate_keys_for_strict_loading(requested_metadata_keys | optimizers.keys(), checkpoint.keys(), strict=strict)
-    metadata = {key: checkpoint[key] for key in checkpoint if key not in optimizers}
-    _move_state_into(source=metadata, destination=state, keys=requested_metadata_keys)
-    return metadata
+    _validate_keys_for_strict_loading(requested_metadata_keys, checkpoint.keys(), strict=strict)
+    _move_state_into(source=checkpoint, destination=state, keys=requested_metadata_keys)
+    return checkpoint
 
 
-def _run_on_all_ranks(fn: Callable[[], _T]) -> _T:
-    """Call ``fn`` on every rank; if it raises on any rank, raise on every rank."""
-    try:
-        result = fn()
-    except Exception as ex:
-        _raise_on_all_ranks(ex)
-        raise
-    _raise_on_all_ranks(None)
-    return result
+def _run_in_turn(fn: Callable[[], _T], turn: int, turns: int) -> _T:
+    """Call ``fn`` in this rank's turn, one of ``turns`` that the ranks of a node take one after the other.
 
-
-def _run_in_turns(fn: Callable[[], _T], local_rank: int, local_world_size: int) -> _T:
-    """Call ``fn`` on one rank of each node at a time, in local-rank order; if it raises on any rank, raise on all.
-
-    ``fn`` must not run collectives: the other ranks of the node wait in a barrier meanwhile.
+    Ranks that share a turn run at the same time. ``fn`` must not run collectives: the ranks whose turn it is not wait
+    in a barrier meanwhile. If ``fn`` raises on any rank, every rank raises.
 
     """
     result: Optional[_T] = None
     error: Optional[Exception] = None
-    for turn in range(local_world_size):
-        if turn == local_rank:
+    for current in range(turns):
+        if current == turn:
             try:
                 result = fn()
             except Exception as ex:
                 error = ex
-        if _distributed_is_initialized():
+        if turns > 1 and _distributed_is_initialized():
             torch.distributed.barrier()
     _raise_on_all_ranks(error)
     return result  # type: ignore[return-value]

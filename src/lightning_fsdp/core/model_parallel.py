@@ -36,7 +36,7 @@ from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loadi
 from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_5
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH
-from lightning_fsdp.core.fsdp import _materialized, _own_device_context, _run_in_turns, _run_on_all_ranks
+from lightning_fsdp.core.fsdp import _materialized, _own_device_context, _run_in_turn
 from lightning_fsdp.core.load import (
     _find_hf_index,
     _is_mmappable,
@@ -80,10 +80,9 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             if len(modules) != 1:
                 return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
             load = partial(_load_dtensor_checkpoint, path, state, modules[0], strict, weights_only)
-        if _is_mmappable(path):
-            metadata = _run_on_all_ranks(load)
-        else:
-            metadata = _run_in_turns(load, self.local_rank, self.num_processes)
+        # a file that cannot be memory-mapped is read whole: by one rank of a node at a time
+        turn = 0 if _is_mmappable(path) else self.local_rank
+        metadata = _run_in_turn(load, turn=turn, turns=self.num_processes)
         return {} if isinstance(state, Module) else metadata
 
 
