@@ -78,8 +78,9 @@ class FSDPStrategy(_FSDPStrategy):
         modules = [key for key, value in state.items() if _has_fsdp_modules(value)]
         if len(modules) != 1:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        # a full checkpoint may hold any object, as `_lazy_load` reads it
-        weights_only = False if weights_only is None else weights_only
+        # a full checkpoint may hold any object; safetensors files and indexes hold tensors only
+        if weights_only is None and not _is_raw_checkpoint_file(path):
+            weights_only = False
         return _load_full_checkpoint(path, state, modules[0], strict, weights_only, self.local_rank, self.num_processes)
 
 
@@ -103,6 +104,8 @@ def _load_full_checkpoint(
     weights_only: Optional[bool],
     local_rank: int,
     local_world_size: int,
+    load_module_state: Optional[Callable[[Mapping[str, Any], Module, bool], None]] = None,
+    local_optimizer_state: Optional[Callable[[Mapping[str, Any], Module, Optimizer], dict[str, Any]]] = None,
 ) -> dict[str, Any]:
     """Load a full checkpoint or a raw module state dict into ``state``, each rank copying only its own shards.
 
@@ -110,14 +113,43 @@ def _load_full_checkpoint(
     every rank at once; one that has to be read whole (the legacy ``torch.save`` format, a file in object storage) is
     read by one rank of a node at a time, so that a node never holds more than one copy.
 
+    Args:
+        path: The checkpoint file, or a Hugging Face index (or its folder).
+        state: The objects to restore; ``state[module_key]`` is the model.
+        module_key: The key of the model in ``state`` and in the checkpoint; a checkpoint without it (or not a
+            mapping there) is the model's raw state dict.
+        strict: Whether names must match exactly and every requested key must be in the checkpoint.
+        weights_only: Passed to :func:`torch.load`.
+        local_rank: The rank's index on its node.
+        local_world_size: The number of ranks on the node.
+        load_module_state: Copies the rank's part of a full state dict into the model; FSDP's flat parameters by
+            default (:func:`_load_fsdp_module_state`).
+        local_optimizer_state: The rank's part of a full optimizer state, as ``optimizer.load_state_dict`` takes it;
+            for FSDP's flat parameters by default (:func:`_local_optimizer_state`).
+
     """
-    load = partial(_load_full_checkpoint_into, path, state, module_key, strict, weights_only)
+    load = partial(
+        _load_full_checkpoint_into,
+        path,
+        state,
+        module_key,
+        strict,
+        weights_only,
+        load_module_state or _load_fsdp_module_state,
+        local_optimizer_state or _local_optimizer_state,
+    )
     # every rank runs the same collectives, whatever it found at the path
     return _run_in_turn(load, turn=0 if _is_mmappable(path) else local_rank, turns=local_world_size)
 
 
 def _load_full_checkpoint_into(
-    path: _PATH, state: dict[str, Any], module_key: str, strict: bool, weights_only: Optional[bool]
+    path: _PATH,
+    state: dict[str, Any],
+    module_key: str,
+    strict: bool,
+    weights_only: Optional[bool],
+    load_module_state: Callable[[Mapping[str, Any], Module, bool], None],
+    local_optimizer_state: Callable[[Mapping[str, Any], Module, Optimizer], dict[str, Any]],
 ) -> dict[str, Any]:
     checkpoint = _lazy_load_state_dict(path, weights_only=weights_only)
     if _is_raw_checkpoint_file(path) or not isinstance(checkpoint.get(module_key), Mapping):
@@ -125,11 +157,16 @@ def _load_full_checkpoint_into(
         checkpoint = {module_key: checkpoint}
     _validate_keys_for_strict_loading(state.keys() - {module_key}, checkpoint.keys(), strict=strict)
     module = state[module_key]
-    _load_fsdp_module_state(checkpoint.pop(module_key), module, strict=strict)
     optimizers = {key: optim for key, optim in state.items() if isinstance(optim, Optimizer)}
-    for optim_key, optim in optimizers.items():
-        if optim_key in checkpoint:
-            optim.load_state_dict(_local_optimizer_state(checkpoint.pop(optim_key), module, optim))
+    # the optimizers' states are sliced (and checked) first, so that an error leaves the model untouched
+    optimizer_states = {
+        key: local_optimizer_state(checkpoint.pop(key), module, optim)
+        for key, optim in optimizers.items()
+        if key in checkpoint
+    }
+    load_module_state(checkpoint.pop(module_key), module, strict)
+    for key, optimizer_state in optimizer_states.items():
+        optimizers[key].load_state_dict(optimizer_state)
     requested_metadata_keys = state.keys() - {module_key} - optimizers.keys()
     _move_state_into(source=checkpoint, destination=state, keys=requested_metadata_keys)
     return checkpoint
@@ -261,9 +298,9 @@ def _load_fsdp_module_state(state_dict: Mapping[str, Any], module: Module, stric
         sources[name] = source
     if strict:
         if unexpected:
-            errors.insert(0, f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}. ")
+            errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
         if missing:
-            errors.insert(0, f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}. ")
+            errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
     if errors:
         raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors))
     with torch.no_grad():

@@ -19,8 +19,6 @@ the :class:`ModelParallelStrategy` below only dispatches to them, as the edited 
 
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack
-from functools import partial
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -30,18 +28,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning.fabric.strategies import ModelParallelStrategy as _ModelParallelStrategy
-from lightning.fabric.strategies.fsdp import _is_sharded_checkpoint
 from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
-from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_5
-from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH
-from lightning_fsdp.core.fsdp import _materialized, _own_device_context, _run_in_turn
+from lightning_fsdp.core.fsdp import _is_checkpoint_file, _load_full_checkpoint, _materialized, _own_device_context
 from lightning_fsdp.core.load import (
-    _find_hf_index,
-    _is_mmappable,
     _is_raw_checkpoint_file,
-    _lazy_load_state_dict,
     _read_box,
     _shape_of,
 )
@@ -67,53 +59,32 @@ class ModelParallelStrategy(_ModelParallelStrategy):
     ) -> dict[str, Any]:
         if not state or isinstance(state, Optimizer):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        path = Path(self.broadcast(path))
-        if _is_sharded_checkpoint(path) or not (path.is_file() or _find_hf_index(path) is not None):
+        path = self.broadcast(path)
+        if not _is_checkpoint_file(path):
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        if weights_only is None:
-            # a module state dict is read as `torch.load` reads it, a full checkpoint with the objects it holds
-            weights_only = isinstance(state, Module) or _is_raw_checkpoint_file(path)
-        if isinstance(state, Module):
-            load = partial(_load_dtensor_checkpoint, path, {"model": state}, "model", strict, weights_only)
+        load_raw = isinstance(state, Module)
+        if load_raw:
+            state, module_key = {"model": state}, "model"
         else:
             modules = [key for key, value in state.items() if _has_dtensor_modules(value)]
             if len(modules) != 1:
                 return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-            load = partial(_load_dtensor_checkpoint, path, state, modules[0], strict, weights_only)
-        # a file that cannot be memory-mapped is read whole: by one rank of a node at a time
-        turn = 0 if _is_mmappable(path) else self.local_rank
-        metadata = _run_in_turn(load, turn=turn, turns=self.num_processes)
-        return {} if isinstance(state, Module) else metadata
-
-
-def _load_dtensor_checkpoint(
-    path: Path, state: dict[str, Any], module_key: str, strict: bool, weights_only: bool
-) -> dict[str, Any]:
-    """Load a full checkpoint or a raw module state dict into a model of ``DTensor`` parameters and its optimizers.
-
-    Each rank reads only the part of every tensor that it holds, from the memory-mapped (or safetensors) source. The
-    model's and the optimizers' states are checked against the checkpoint before anything is written.
-
-    """
-    checkpoint = _lazy_load_state_dict(path, weights_only=weights_only)
-    if not isinstance(checkpoint.get(module_key), Mapping):
-        # a raw module state dict (`torch.save(model.state_dict())`, safetensors, a Hugging Face checkpoint)
-        checkpoint = {module_key: checkpoint}
-    _validate_keys_for_strict_loading(state.keys() - {module_key}, checkpoint.keys(), strict=strict)
-    module = state[module_key]
-    optimizers = {key: optim for key, optim in state.items() if isinstance(optim, Optimizer)}
-    # the optimizers' states are read (and checked) first, so that an error leaves the model untouched
-    optimizer_states = {
-        key: _local_dtensor_optimizer_state(checkpoint.pop(key), module, optim)
-        for key, optim in optimizers.items()
-        if key in checkpoint
-    }
-    _load_dtensor_module_state(checkpoint.pop(module_key), module, strict=strict)
-    for key, optimizer_state in optimizer_states.items():
-        optimizers[key].load_state_dict(optimizer_state)
-    requested_metadata_keys = state.keys() - {module_key} - optimizers.keys()
-    _move_state_into(source=checkpoint, destination=state, keys=requested_metadata_keys)
-    return checkpoint
+            module_key = modules[0]
+            # a full checkpoint may hold any object; safetensors files and indexes hold tensors only
+            if weights_only is None and not _is_raw_checkpoint_file(path):
+                weights_only = False
+        metadata = _load_full_checkpoint(
+            path,
+            state,
+            module_key,
+            strict,
+            weights_only,
+            self.local_rank,
+            self.num_processes,
+            load_module_state=_load_dtensor_module_state,
+            local_optimizer_state=_local_dtensor_optimizer_state,
+        )
+        return {} if load_raw else metadata
 
 
 def _load_dtensor_module_state(state_dict: Mapping[str, Any], module: Module, strict: bool = True) -> None:

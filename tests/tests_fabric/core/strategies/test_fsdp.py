@@ -71,8 +71,8 @@ def _write_raw_files(path):
     first, second = list(state_dict)[:2], list(state_dict)[2:]
     save_file({k: state_dict[k] for k in first}, path / "model-00001-of-00002.safetensors")
     save_file({k: state_dict[k] for k in second}, path / "model-00002-of-00002.safetensors")
-    weight_map = {k: "model-00001-of-00002.safetensors" for k in first}
-    weight_map.update({k: "model-00002-of-00002.safetensors" for k in second})
+    weight_map = dict.fromkeys(first, "model-00001-of-00002.safetensors")
+    weight_map.update(dict.fromkeys(second, "model-00002-of-00002.safetensors"))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return state_dict
 
@@ -150,7 +150,7 @@ def _run_strict_error(strategy, tmp_path):
     with pytest.raises(KeyError, match="'optimizer' that does not exist in the loaded checkpoint"):
         strategy.load_checkpoint(tmp_path / "model.pt", {"model": model, "optimizer": optimizer})
     _assert_equal_state(_full_state_dict(model), before)
-    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: '2.bias'"):
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "2.bias"'):
         strategy.load_checkpoint(tmp_path / "partial.pt", model)
     # names were checked before anything was written
     _assert_equal_state(_full_state_dict(model), before)

@@ -90,8 +90,8 @@ def _write_raw_files(path):
     first, second = list(state_dict)[:3], list(state_dict)[3:]
     save_file({k: state_dict[k] for k in first}, path / "model-00001-of-00002.safetensors")
     save_file({k: state_dict[k] for k in second}, path / "model-00002-of-00002.safetensors")
-    weight_map = {k: "model-00001-of-00002.safetensors" for k in first}
-    weight_map.update({k: "model-00002-of-00002.safetensors" for k in second})
+    weight_map = dict.fromkeys(first, "model-00001-of-00002.safetensors")
+    weight_map.update(dict.fromkeys(second, "model-00002-of-00002.safetensors"))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
