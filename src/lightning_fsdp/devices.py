@@ -29,8 +29,7 @@ Upstream destination: the checks are not FSDP-specific, they would go to
 import itertools
 import os
 import socket
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -332,23 +331,6 @@ def _physical_device(device: torch.device) -> str | None:
         return None
     properties = torch.cuda.get_device_properties(device)
     return f"{socket.gethostname()}/{getattr(properties, 'uuid', device.index)}"
-
-
-def _own_cuda_device(device: torch.device) -> AbstractContextManager:
-    """Make ``device`` the current CUDA device inside the context, so that ``"cuda"`` means the rank's own GPU."""
-    if device.type != "cuda":
-        return nullcontext()
-    return torch.cuda.device(device)
-
-
-def _init_context_on_own_device(
-    device: torch.device, make_context: Callable[[], AbstractContextManager]
-) -> AbstractContextManager:
-    """A strategy's module-init context, made and entered with ``device`` as the current CUDA device (see above)."""
-    stack = ExitStack()
-    stack.enter_context(_own_cuda_device(device))
-    stack.enter_context(make_context())
-    return stack
 
 
 def _check_placement(module: Module, device: torch.device, where: str, strategy: str = "FSDPStrategy") -> None:

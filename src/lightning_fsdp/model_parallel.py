@@ -16,14 +16,12 @@
 Upstream destination: ``src/lightning/fabric/strategies/model_parallel.py``.
 """
 
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelParallelStrategy
 from lightning.fabric.strategies import model_parallel as _upstream
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.fabric.utilities.types import _PATH
@@ -31,11 +29,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp.core.model_parallel import ModelParallelStrategy as _CoreModelParallelStrategy
 from lightning_fsdp.devices import (
     _check_cluster_environment,
     _check_distinct_devices,
     _check_placement,
-    _init_context_on_own_device,
 )
 from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
@@ -61,7 +59,7 @@ if TYPE_CHECKING:
 TModel = TypeVar("TModel", bound=Module)
 
 
-class ModelParallelStrategy(_UpstreamModelParallelStrategy):
+class ModelParallelStrategy(_CoreModelParallelStrategy):
     r"""Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` that loads full checkpoints shard-locally.
 
     It behaves like the upstream class (FSDP2 and tensor parallelism applied by ``parallelize_fn``; on CPU with the
@@ -166,17 +164,6 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         attach_init_record(module, record)
         _check_placement(module, self.root_device, where="after `parallelize_fn`", strategy=type(self).__name__)
         return module
-
-    @override
-    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """Upstream's context (meta device with ``empty_init=True``), with the rank's own GPU as the current device.
-
-        So a model that creates tensors on ``"cuda"`` inside ``fabric.init_module()`` puts them on the rank's GPU.
-
-        """
-        return _init_context_on_own_device(
-            self.root_device, functools.partial(super().module_init_context, empty_init=empty_init)
-        )
 
     @override
     def load_checkpoint(

@@ -16,7 +16,6 @@
 Upstream destination: ``src/lightning/fabric/strategies/fsdp.py``.
 """
 
-import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -27,7 +26,6 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
 from lightning.fabric.strategies import fsdp as _upstream
 from lightning.fabric.strategies.strategy import _apply_filter
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -36,11 +34,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp.core.fsdp import FSDPStrategy as _CoreFSDPStrategy
 from lightning_fsdp.devices import (
     _check_cluster_environment,
     _check_distinct_devices,
     _check_placement,
-    _init_context_on_own_device,
 )
 from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 from lightning_fsdp.loading.materialize import (
@@ -66,7 +64,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
 
-class FSDPStrategy(_UpstreamFSDPStrategy):
+class FSDPStrategy(_CoreFSDPStrategy):
     r"""Fabric's :class:`~lightning.fabric.strategies.FSDPStrategy` that also runs on CPU.
 
     It accepts every argument of the upstream class and behaves the same on CUDA. In addition:
@@ -186,17 +184,6 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         attach_init_record(module, record)
         _check_placement(module, self.root_device, where="after wrapping")
         return module
-
-    @override
-    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """Upstream's context (meta device with ``empty_init=True``), with the rank's own GPU as the current device.
-
-        So a model that creates tensors on ``"cuda"`` inside ``fabric.init_module()`` puts them on the rank's GPU.
-
-        """
-        return _init_context_on_own_device(
-            self.root_device, functools.partial(super().module_init_context, empty_init=empty_init)
-        )
 
     @override
     def module_sharded_context(self) -> AbstractContextManager:

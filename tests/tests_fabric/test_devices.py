@@ -23,11 +23,11 @@ from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnv
 from torch import nn
 
 from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
+from lightning_fsdp.core.fsdp import _own_device_context
 from lightning_fsdp.devices import (
     _check_cluster_environment,
     _check_distinct_devices,
     _check_placement,
-    _own_cuda_device,
 )
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import TinyTransformer, make_batch
@@ -470,7 +470,7 @@ def test_module_init_context_makes_the_own_gpu_current(launch_env, mocked_cuda, 
 
 
 def test_own_cuda_device_is_a_no_op_on_cpu(strategy_name):
-    with _own_cuda_device(torch.device("cpu")):
+    with _own_device_context(torch.device("cpu")):
         assert torch.empty(1).device == torch.device("cpu")
     strategy = Fabric(accelerator="cpu", devices=1, strategy=_strategy(strategy_name)).strategy
     with strategy.module_init_context(empty_init=True):

@@ -1,0 +1,226 @@
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+from lightning.fabric import Fabric
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning_fsdp.core.model_parallel import ModelParallelStrategy, _load_dtensor_module_state
+from tests_fabric.helpers.runif import RunIf
+
+
+class _SpawnedModelParallelStrategy(ModelParallelStrategy):
+    # the ranks run the test function in processes spawned from the test, not as copies of the test command
+    def _configure_launcher(self):
+        self._launcher = _MultiProcessingLauncher(self, start_method="spawn")
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(7, 6)  # 7 rows: 4 and 3 over two ranks
+        self.w1 = nn.Linear(6, 4)
+        self.w2 = nn.Linear(4, 6)
+        self.gate = nn.Parameter(torch.randn(1, 6))  # one row: the second rank's shard is empty
+        self.head = nn.Linear(6, 7, bias=False)
+        self.head.weight = self.embedding.weight  # tied
+        self.register_buffer("scale", torch.rand(6))
+        self.register_buffer("calls", torch.zeros(1), persistent=False)
+
+    def forward(self, x):
+        return self.head(self.w2(torch.relu(self.w1(self.embedding(x) * self.scale * self.gate))))
+
+
+def _parallelize(model, device_mesh):
+    from torch.distributed._composable.fsdp.fully_shard import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if device_mesh["tensor_parallel"].size() > 1:
+        parallelize_module(model, device_mesh["tensor_parallel"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    if device_mesh["data_parallel"].size() > 1:
+        fully_shard(model.w1, mesh=device_mesh["data_parallel"])
+        fully_shard(model, mesh=device_mesh["data_parallel"])
+    return model
+
+
+def _fabric(tensor_parallel_size=1, save_distributed_checkpoint=True):
+    strategy = _SpawnedModelParallelStrategy(
+        _parallelize,
+        data_parallel_size=2 // tensor_parallel_size,
+        tensor_parallel_size=tensor_parallel_size,
+        save_distributed_checkpoint=save_distributed_checkpoint,
+    )
+    return Fabric(accelerator="cpu", devices=2, strategy=strategy)
+
+
+def _state_dict():
+    torch.manual_seed(0)
+    return _Model().state_dict()
+
+
+def _setup(fabric):
+    with torch.device("cpu"):
+        model = _Model()
+    for tensor in model.state_dict().values():
+        tensor.zero_()
+    return fabric.setup_module(model)
+
+
+def _full_state(model):
+    return {
+        name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        for name, tensor in model.state_dict().items()
+    }
+
+
+def _assert_equal_state(actual, expected):
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=0)
+
+
+def _write_raw_files(path):
+    state_dict = _state_dict()
+    torch.save(state_dict, path / "model.pt")
+    torch.save(state_dict, path / "legacy.pt", _use_new_zipfile_serialization=False)
+    del state_dict["head.weight"]  # safetensors refuses tensors that share memory: the tied weight is saved once
+    save_file(state_dict, path / "model.safetensors")
+    first, second = list(state_dict)[:3], list(state_dict)[3:]
+    save_file({k: state_dict[k] for k in first}, path / "model-00001-of-00002.safetensors")
+    save_file({k: state_dict[k] for k in second}, path / "model-00002-of-00002.safetensors")
+    weight_map = dict.fromkeys(first, "model-00001-of-00002.safetensors")
+    weight_map.update(dict.fromkeys(second, "model-00002-of-00002.safetensors"))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _run_load_raw(fabric, tmp_path):
+    expected = _state_dict()
+    for name in ("model.pt", "legacy.pt"):
+        model = _setup(fabric)
+        fabric.load_raw(tmp_path / name, model)
+        _assert_equal_state(_full_state(model), expected)
+        model = _setup(fabric)
+        assert fabric.load(tmp_path / name, {"model": model}) == {}
+        _assert_equal_state(_full_state(model), expected)
+    for name in ("model.safetensors", "model.safetensors.index.json", ""):
+        model = _setup(fabric)
+        # the tied weight is written once, from the name that the file holds
+        fabric.load_raw(tmp_path / name, model, strict=False)
+        _assert_equal_state(_full_state(model), expected)
+
+
+@RunIf(min_torch="2.4")
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_model_parallel_load_raw_state_dict_shard_local(tmp_path, tensor_parallel_size):
+    """A raw state dict loads into a model of DTensors from a torch file (zip or legacy), safetensors or an index."""
+    _write_raw_files(tmp_path)
+    _fabric(tensor_parallel_size).launch(_run_load_raw, tmp_path)
+
+
+def _train_step(model, optimizer):
+    model(torch.arange(7).reshape(1, 7)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _run_load_full_checkpoint(fabric, tmp_path):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(1)
+    model = fabric.setup_module(_Model())
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.01))
+    _train_step(model, optimizer)
+    # a full checkpoint as `ModelParallelStrategy(save_distributed_checkpoint=False)` writes it
+    fabric.save(tmp_path / "full.ckpt", {"model": model, "optimizer": optimizer, "step": 1})
+    saved = torch.load(tmp_path / "full.ckpt", weights_only=True)
+
+    loaded = _setup(fabric)
+    loaded_optimizer = fabric.setup_optimizers(torch.optim.Adam(loaded.parameters(), lr=0.5))
+    state = {"model": loaded, "optimizer": loaded_optimizer, "step": 0}
+    assert fabric.load(tmp_path / "full.ckpt", state) == {}
+    assert state["step"] == 1
+    _assert_equal_state(_full_state(loaded), saved["model"])
+    options = StateDictOptions(full_state_dict=True)
+    reloaded = get_optimizer_state_dict(loaded.module, loaded_optimizer.optimizer, options=options)
+    assert reloaded["param_groups"] == saved["optimizer"]["param_groups"]
+    assert reloaded["state"].keys() == saved["optimizer"]["state"].keys()
+    for name, param_state in saved["optimizer"]["state"].items():
+        _assert_equal_state(reloaded["state"][name], param_state)
+    # the optimizer continues exactly where the saved one was
+    _train_step(model, optimizer)
+    _train_step(loaded, loaded_optimizer)
+    _assert_equal_state(_full_state(loaded), _full_state(model))
+
+    # an optimizer that does not fit the saved one: the error comes before the model is written
+    untouched = _setup(fabric)
+    before = _full_state(untouched)
+    rest = [param for param in untouched.parameters() if param is not untouched.w1.weight]
+    groups = [{"params": [untouched.w1.weight]}, {"params": rest}]
+    state = {"model": untouched, "optimizer": torch.optim.Adam(groups)}
+    with pytest.raises(ValueError, match="has 1 parameter groups, the optimizer has 2"):
+        fabric.load(tmp_path / "full.ckpt", state)
+    _assert_equal_state(_full_state(untouched), before)
+
+
+@RunIf(min_torch="2.4")
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_model_parallel_load_full_checkpoint_shard_local(tmp_path, tensor_parallel_size):
+    """A full checkpoint restores the model and the Adam state, each rank copying only its slices."""
+    fabric = _fabric(tensor_parallel_size, save_distributed_checkpoint=False)
+    fabric.launch(_run_load_full_checkpoint, tmp_path)
+
+
+def _run_strict_error(fabric, tmp_path):
+    model = _setup(fabric)
+    before = _full_state(model)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "w1.bias"') as error:
+        fabric.load_raw(tmp_path / "partial.pt", model)
+    messages = [None, None]
+    torch.distributed.all_gather_object(messages, str(error.value))
+    assert messages[0] == messages[1]
+    # names were checked before anything was written
+    _assert_equal_state(_full_state(model), before)
+    fabric.load_raw(tmp_path / "partial.pt", model, strict=False)
+    assert torch.equal(_full_state(model)["w1.weight"], _state_dict()["w1.weight"])
+
+
+@RunIf(min_torch="2.4")
+def test_model_parallel_load_raw_strict_error_on_every_rank(tmp_path):
+    state_dict = _state_dict()
+    del state_dict["w1.bias"]
+    torch.save(state_dict, tmp_path / "partial.pt")
+    _fabric().launch(_run_strict_error, tmp_path)
+
+
+class _CountingSource:
+    """A tensor of a lazily read checkpoint that counts the elements read from it."""
+
+    read = 0
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def get_shape(self):
+        return list(self.tensor.shape)
+
+    def __getitem__(self, box):
+        value = self.tensor[box]
+        _CountingSource.read += value.numel()
+        return value
+
+
+def _run_reads_own_box(fabric):
+    model = _setup(fabric)
+    state_dict = {name: _CountingSource(tensor) for name, tensor in _state_dict().items()}
+    _load_dtensor_module_state(state_dict, model)
+    local_numel = sum(tensor.to_local().numel() for tensor in model.parameters()) + model.scale.numel()
+    assert _CountingSource.read == local_numel
+    assert local_numel < sum(tensor.numel() for tensor in _state_dict().values())
+    _assert_equal_state(_full_state(model), _state_dict())
+
+
+@RunIf(min_torch="2.4")
+def test_model_parallel_load_reads_only_own_shards():
+    _fabric().launch(_run_reads_own_box)
