@@ -234,7 +234,7 @@ def _render(args: argparse.Namespace, probes: list[_Probe], sizes: dict[int, dic
         " before it kills.",
         "",
         "| strategy | implementation | largest that loaded | smallest that did not | why not | tried (depth: fits)"
-        " | ours / upstream |",
+        " | over upstream's |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     upstream = {p.case.strategy: p.ladder for p in probes if p.case.implementation == "upstream"}
@@ -242,7 +242,7 @@ def _render(args: argparse.Namespace, probes: list[_Probe], sizes: dict[int, dic
         ladder = probe.ladder
         why = _why_not(probe.outcomes[ladder.smallest_fail]) if ladder.smallest_fail is not None else ""
         ratio = ""
-        if probe.case.implementation == "ours" and probe.case.strategy in upstream:
+        if probe.case.implementation != "upstream" and probe.case.strategy in upstream:
             ratio = capacity_ratio(ladder, upstream[probe.case.strategy], sizes)
         tried = ", ".join(f"{d}: {_outcome(ok, probe.outcomes[d])}" for d, ok in ladder.tried)
         lines.append(

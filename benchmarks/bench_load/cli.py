@@ -29,6 +29,11 @@ from .output import _gb, _log
 from .report import _machine, render
 from .runner import _BUSY_MACHINE, Case, run_case
 
+#: The label of the core's rows: Lightning's strategies plus only the core's shard-local loading
+#: (`lightning_fsdp.core.fsdp.FSDPStrategy`, `lightning_fsdp.core.model_parallel.ModelParallelStrategy`).
+CORE_LABEL = "core"
+_SAFETENSORS_FORMATS = ("safetensors", "hf-index")
+
 
 def _size(text: str) -> tuple[int, int, str]:
     if text in PRESETS:
@@ -71,6 +76,16 @@ def _strategy_cases(args: argparse.Namespace, strategy: str) -> list[Case]:
                 label = f"upstream {lightning.__version__}"
                 cases.append(Case(fmt, impl, None, label, reason, weights_only, strategy))
                 continue
+            if impl == "core":
+                # Lightning's strategy with the core's shard-local loading: no `load_concurrency` (k=1 where it reads
+                # a file whole), every local format
+                reason = (
+                    "n/a (safetensors is not installed)"
+                    if fmt in _SAFETENSORS_FORMATS and not has_safetensors
+                    else None
+                )
+                cases.append(Case(fmt, impl, None, CORE_LABEL, reason, weights_only, strategy))
+                continue
             ks = args.load_concurrency
             if ks is None:
                 ks = ["1", "all"] if fmt in _TURN_FORMATS else []
@@ -82,7 +97,7 @@ def _strategy_cases(args: argparse.Namespace, strategy: str) -> list[Case]:
                 reason = None
                 if k is not None and not has_concurrency:
                     reason = "n/a (`load_concurrency` not available yet)"
-                if fmt in ("safetensors", "hf-index") and not has_safetensors:
+                if fmt in _SAFETENSORS_FORMATS and not has_safetensors:
                     reason = "n/a (safetensors is not installed)"
                 cases.append(Case(fmt, impl, k, label, reason, weights_only, strategy))
     return cases
@@ -153,7 +168,7 @@ def _capacity_cases(args: argparse.Namespace) -> list[Case]:
     """The full checkpoint with Adam state, for each strategy family and implementation, with its default ``k``."""
     import lightning
 
-    label = {"upstream": f"upstream {lightning.__version__}", "ours": "lightning-fsdp"}
+    label = {"upstream": f"upstream {lightning.__version__}", "core": CORE_LABEL, "ours": "lightning-fsdp"}
     return [
         Case("full", impl, None, label[impl], strategy=strategy)
         for strategy in args.strategies
@@ -179,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--implementations",
-        default="upstream,ours",
-        help="comma-separated: upstream, ours, s3 (ours, loading the same files from moto's S3 server on loopback),"
+        default="upstream,core,ours",
+        help="comma-separated: upstream, core (Lightning's strategies with only the core's shard-local loading,"
+        " `lightning_fsdp.core`), ours, s3 (ours, loading the same files from moto's S3 server on loopback),"
         " s3-client-in-base (the same, with the S3 client created before the base), master-s3 (Lightning master's"
         " `load_checkpoint` on the s3:// URL; needs --lightning-master)",
     )
@@ -262,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--load-concurrency takes positive integers, 'all' and 'auto', got {bad}")
     if unknown := set(args.formats) - set(FORMATS):
         parser.error(f"unknown formats {sorted(unknown)}")
-    if unknown := set(args.implementations) - {"upstream", "ours", *REMOTE_IMPLEMENTATIONS}:
+    if unknown := set(args.implementations) - {"upstream", "core", "ours", *REMOTE_IMPLEMENTATIONS}:
         parser.error(f"unknown implementations {sorted(unknown)}")
     if args.ranks % args.nodes:
         parser.error("--ranks must be a multiple of --nodes")

@@ -153,7 +153,7 @@ def render(
     by_key = _measured(results)
     for case, r in results:
         u = by_key.get(_upstream_key(case))
-        if case.implementation != "ours" or case.key not in by_key or u is None:
+        if case.implementation not in _COMPARED or case.key not in by_key or u is None:
             continue
         ratio_rows.append(
             f"| {case.strategy_title} | {case.title} | {case.label} | {_ratio(r['load_seconds'], u['load_seconds'])}"
@@ -165,7 +165,7 @@ def render(
     if ratio_rows:
         lines += [
             "",
-            "Ratios, lightning-fsdp / upstream (below 1 is better):",
+            "Ratios to upstream, core / upstream and lightning-fsdp / upstream (below 1 is better):",
             "",
             "| strategy | checkpoint | implementation | load time | peak PSS | above base | peak anonymous"
             " | anonymous above base, less Adam | storage read per node |",
@@ -271,6 +271,17 @@ def render(
         " is every rank of a node at once. The `weights_only=False`"
         " rows pass `weights_only=False` (upstream: to `torch.load`): a trusted pickle, which lightning-fsdp reads"
         " whole, in turns; with `weights_only=True` every format is read by byte ranges.",
+        "- core: Lightning's strategies with only the core's shard-local loading"
+        " (`lightning_fsdp.core.fsdp.FSDPStrategy`, `lightning_fsdp.core.model_parallel.ModelParallelStrategy`: what"
+        " goes upstream), loading every format with"
+        " `fabric.load(path, {'model': model, ...})`: a zip-format file memory-mapped, safetensors with `safe_open`,"
+        " each rank copying only its own shards; a legacy-format file read whole, one rank of a node at a time."
+        + (
+            ""
+            if on_gpu
+            else " FSDP1 runs through the same CPU subclass as upstream (the CPU device passed to FSDP, as Lightning"
+            " master does)."
+        ),
         "- Correct: every parameter's checksum (sum and position-weighted sum) matches the source, and for the full"
         " checkpoint every rank's Adam state (`exp_avg`, `exp_avg_sq`, `step`) matches exactly. FSDP1 gathers one FSDP"
         " unit at a time for the checksums, FSDP2 one `DTensor` at a time (`full_tensor()`); each rank checks its own"
@@ -359,7 +370,7 @@ def _gpu_rows(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
             f" | {_signed(r['gpu_above_base'])} | {_gb(r['gpu_after'])} |"
         )
         u = by_key.get(_upstream_key(case))
-        if case.implementation == "ours" and u is not None and "gpu_peak" in u:
+        if case.implementation in _COMPARED and u is not None and "gpu_peak" in u:
             ratios.append(
                 f"| {case.strategy_title} | {case.title} | {case.label}"
                 f" | {_ratio(r['load_seconds'], u['load_seconds'])} | {_ratio(r['gpu_peak'], u['gpu_peak'])}"
@@ -381,7 +392,8 @@ def _gpu_rows(results: list[tuple[Case, dict[str, Any]]]) -> list[str]:
     if ratios:
         lines += [
             "",
-            "GPU ratios, lightning-fsdp / upstream (below 1 is better; host memory: peak PSS of all ranks):",
+            "GPU ratios, core / upstream and lightning-fsdp / upstream (below 1 is better; host memory: peak PSS of all"
+            " ranks):",
             "",
             "| strategy | checkpoint | implementation | load time | GPU peak | GPU above base | host peak PSS |",
             "| --- | --- | --- | --- | --- | --- | --- |",
@@ -399,6 +411,10 @@ def _cache_summary(results: list[tuple[Case, dict[str, Any]]]) -> str:
     if len(caches) == 1:
         return f"{caches.pop()} (the file was read once before each load)"
     return ", ".join(sorted(str(c) for c in caches)) or "n/a"
+
+
+#: The implementations compared with upstream in the ratio tables: the core, and the whole package.
+_COMPARED = ("core", "ours")
 
 
 def _upstream_key(case: Case) -> tuple[str, str, bool, str, None]:

@@ -30,7 +30,7 @@ _COLD_FILE = "cold (the checkpoint's pages evicted)"  # `--cache file`
 @dataclass
 class Case:
     format: str
-    implementation: str  # "upstream", "ours", or one of the remote implementations (`REMOTE_IMPLEMENTATIONS`)
+    implementation: str  # "upstream", "core", "ours", or one of the remote implementations (`REMOTE_IMPLEMENTATIONS`)
     load_concurrency: int | str | None = None
     label: str = ""
     unavailable: str | None = None

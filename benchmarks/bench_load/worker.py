@@ -20,17 +20,16 @@ from .sampler import _read_fields, _read_io, _write_proc
 _LIGHTNING_IMPLEMENTATIONS = ("upstream", "master-s3")
 
 
-def _upstream_strategy_class() -> type:
-    """Upstream's ``FSDPStrategy`` with the smallest change that lets it run on CPU.
+def _fsdp_on_cpu(base: type) -> type:
+    """``base`` (Lightning's ``FSDPStrategy`` or the core's) with the smallest change that lets it run on CPU.
 
-    Upstream wraps with ``device_id=self.root_device.index``, which is ``None`` on CPU, and FSDP then looks for a CUDA
-    device. This subclass passes the CPU device instead. Everything else, ``load_checkpoint`` in particular (what is
-    measured), is upstream's, untouched. (Upstream's ``Fabric`` refuses ``FSDPStrategy`` on CPU only for the class
-    itself, not for subclasses.)
+    Lightning 2.6.6 wraps with ``device_id=self.root_device.index``, which is ``None`` on CPU, and FSDP then looks for a
+    CUDA device. This subclass passes the CPU device instead, as Lightning master does. Everything else,
+    ``load_checkpoint`` in particular (what is measured), is ``base``'s, untouched. (Lightning's ``Fabric`` refuses
+    ``FSDPStrategy`` on CPU only for the class itself, not for subclasses.)
     """
-    from lightning.fabric.strategies import FSDPStrategy
 
-    class UpstreamFSDPStrategyOnCPU(FSDPStrategy):
+    class FSDPStrategyOnCPU(base):
         def setup_module(self, module: nn.Module) -> nn.Module:
             from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -43,7 +42,8 @@ def _upstream_strategy_class() -> type:
                 **self._fsdp_kwargs,
             )
 
-    return UpstreamFSDPStrategyOnCPU
+    FSDPStrategyOnCPU.__qualname__ = FSDPStrategyOnCPU.__name__ = f"{base.__name__}OnCPU"
+    return FSDPStrategyOnCPU
 
 
 def _parallelize(model: Model, device_mesh: Any) -> Model:
@@ -59,10 +59,13 @@ def _parallelize(model: Model, device_mesh: Any) -> Model:
 
 def _make_strategy(cfg: dict[str, Any]) -> Any:
     kwargs = {} if cfg["load_concurrency"] is None else {"load_concurrency": cfg["load_concurrency"]}
+    implementation = cfg["implementation"]
     if cfg["strategy"] == "fsdp2":
-        if cfg["implementation"] in _LIGHTNING_IMPLEMENTATIONS:
+        if implementation in _LIGHTNING_IMPLEMENTATIONS:
             # Upstream's class runs on CPU as it is: it builds its device mesh for the CPU device and uses gloo.
             from lightning.fabric.strategies import ModelParallelStrategy
+        elif implementation == "core":
+            from lightning_fsdp.core.model_parallel import ModelParallelStrategy
         else:
             from lightning_fsdp import ModelParallelStrategy
         world_size = cfg["ranks_per_node"] * cfg["nodes"]
@@ -73,12 +76,14 @@ def _make_strategy(cfg: dict[str, Any]) -> Any:
             save_distributed_checkpoint=False,
             **kwargs,
         )
-    if cfg["implementation"] in _LIGHTNING_IMPLEMENTATIONS:
-        if cfg.get("device") == "cuda":  # upstream's class as it is: on a GPU it needs no change
-            from lightning.fabric.strategies import FSDPStrategy as UpstreamFSDPStrategy
-
-            return UpstreamFSDPStrategy(auto_wrap_policy={Block})
-        return _upstream_strategy_class()(auto_wrap_policy={Block})
+    if implementation in _LIGHTNING_IMPLEMENTATIONS or implementation == "core":
+        if implementation == "core":
+            from lightning_fsdp.core.fsdp import FSDPStrategy as LightningFSDPStrategy
+        else:
+            from lightning.fabric.strategies import FSDPStrategy as LightningFSDPStrategy
+        if cfg.get("device") == "cuda":  # the class as it is: on a GPU it needs no change
+            return LightningFSDPStrategy(auto_wrap_policy={Block})
+        return _fsdp_on_cpu(LightningFSDPStrategy)(auto_wrap_policy={Block})
     from lightning_fsdp import FSDPStrategy
 
     return FSDPStrategy(auto_wrap_policy={Block}, **kwargs)

@@ -33,7 +33,7 @@ def test_benchmark_smoke(tmp_path):
         "--size=tiny",
         "--ranks=2",
         "--formats=zip",
-        "--implementations=upstream,ours",
+        "--implementations=upstream,core,ours",
         "--strategy=fsdp",
         f"--workdir={tmp_path / 'work'}",
         f"--output={output}",
@@ -42,7 +42,7 @@ def test_benchmark_smoke(tmp_path):
         "--timeout=120",
         "--retry-busy=0",
     ]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=360)
     assert completed.returncode == 0, completed.stderr[-4000:]
 
     table = output.read_text()
@@ -50,16 +50,16 @@ def test_benchmark_smoke(tmp_path):
     assert "| strategy | checkpoint | implementation | load time |" in table
     assert "| storage read per node | read-call bytes per node | correct |" in table
     rows = [line for line in table.splitlines() if line.startswith("| FSDP1 | raw state dict, torch zip file (")]
-    assert len(rows) == 2
-    assert "upstream" in rows[0]
-    assert "lightning-fsdp" in rows[1]
+    assert [row.split(" | ")[2] for row in rows] == [f"upstream {lightning.__version__}", "core", "lightning-fsdp"]
     assert all(" ‡ |" in row for row in rows)  # a warm cache: storage reads marked as not meaningful
     assert "Machine:" in table
-    assert "Ratios, lightning-fsdp / upstream" in table
+    assert "Ratios to upstream, core / upstream and lightning-fsdp / upstream" in table
+    ratios = table[table.index("Ratios to upstream") :].split("\n\n")[1].splitlines()
+    assert [row.split(" | ")[2] for row in ratios if row.startswith("| FSDP1 |")] == ["core", "lightning-fsdp"]
 
     report = json.loads((tmp_path / "work" / "results.json").read_text())
     assert report["ranks"] == 2
-    assert len(report["results"]) == 2
+    assert [r["case"]["implementation"] for r in report["results"]] == ["upstream", "core", "ours"]
     for result in report["results"]:
         assert "error" not in result, result.get("error")
         assert result["correct"], result["correct_detail"]
@@ -79,8 +79,7 @@ def test_benchmark_smoke(tmp_path):
         assert min(result["read_bytes_per_rank"]) >= 0
     # lightning-fsdp reads every byte of the model with positioned reads, each rank its own shard: the node reads the
     # file about once. (Upstream memory-maps it: its tensors never pass through a read call.)
-    ours = report["results"][1]
-    assert ours["case"]["implementation"] == "ours"
+    ours = report["results"][2]
     assert report["files"]["zip"]["bytes"] * 0.9 < ours["rchar_per_node"][0] < report["files"]["zip"]["bytes"] * 3
 
 
@@ -143,7 +142,7 @@ def test_legacy_fabric_checkpoint_is_also_loaded_as_a_trusted_file():
     """The same file with ``weights_only=False``: read whole, in turns of k=1 and k=all ranks, upstream alongside."""
     args = argparse.Namespace(
         formats=["legacy-fabric"],
-        implementations=["upstream", "ours"],
+        implementations=["upstream", "core", "ours"],
         load_concurrency=None,
         ranks=4,
         nodes=1,
@@ -154,6 +153,9 @@ def test_legacy_fabric_checkpoint_is_also_loaded_as_a_trusted_file():
     trusted = f"{title}, `weights_only=False`"
     upstream = [(c.title, c.weights_only) for c in cases if c.implementation == "upstream"]
     assert upstream == [(title, True), (trusted, False)]
+    # the core has no `load_concurrency`: one row each, a file read whole always by one rank of a node at a time
+    core = [(c.title, c.label, c.weights_only, c.load_concurrency) for c in cases if c.implementation == "core"]
+    assert core == [(title, "core", True, None), (trusted, "core", False, None)]
     ours = [(c.title, c.label, c.weights_only) for c in cases if c.implementation == "ours"]
     assert ours == [
         (title, "lightning-fsdp, k=1", True),
@@ -165,7 +167,8 @@ def test_legacy_fabric_checkpoint_is_also_loaded_as_a_trusted_file():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sampler reads /proc")
 def test_benchmark_smoke_fsdp2(tmp_path):
-    """FSDP2: upstream's and this project's `ModelParallelStrategy`, a full checkpoint with Adam and an HF index."""
+    """FSDP2: upstream's, the core's and this project's `ModelParallelStrategy` (the default implementations), a full
+    checkpoint with Adam and an HF index."""
     output = tmp_path / "table.md"
     command = [
         sys.executable,
@@ -181,7 +184,7 @@ def test_benchmark_smoke_fsdp2(tmp_path):
         "--timeout=120",
         "--retry-busy=0",
     ]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=480)
     assert completed.returncode == 0, completed.stderr[-4000:]
     table = output.read_text()
     header = "| strategy | checkpoint | implementation | load time |"
@@ -190,15 +193,21 @@ def test_benchmark_smoke_fsdp2(tmp_path):
     assert [(row[1].split(" (")[0], row[2]) for row in rows] == [
         (checkpoints.FORMAT_TITLES[fmt], impl)
         for fmt in ("full", "hf-index")
-        for impl in (f"upstream {lightning.__version__}", "lightning-fsdp")
+        for impl in (f"upstream {lightning.__version__}", "core", "lightning-fsdp")
     ]
-    assert "n/a (upstream has no Hugging Face index support)" in rows[2][3]
+    assert "n/a (upstream has no Hugging Face index support)" in rows[3][3]
     assert "Targets of issue FSDP2, item 5" in table
     assert "full checkpoint with Adam state, lightning-fsdp: load time at most 0.25x upstream" in table
 
     report = json.loads((tmp_path / "work" / "results.json").read_text())
     measured = [r for r in report["results"] if "load_seconds" in r]
-    assert len(measured) == 3
+    assert [(r["case"]["format"], r["case"]["implementation"]) for r in measured] == [
+        ("full", "upstream"),
+        ("full", "core"),
+        ("full", "ours"),
+        ("hf-index", "core"),
+        ("hf-index", "ours"),
+    ]
     for result in measured:
         assert result["case"]["strategy"] == "fsdp2"
         assert result["correct"], result["correct_detail"]
