@@ -8,7 +8,8 @@
 # About 3 minutes on 2 cores. tools/test_series.sh runs the same after each PR.
 #
 # Lightning comes from a git repository holding the pinned commit: $LIGHTNING_GIT_DIR, else the local mirror, else a
-# clone from GitHub. Not the release's sdist: it has no tests, and 2.6 lacks master's changes the core builds on (FSDP
+# clone from GitHub; with none of them the check says so and is skipped (REQUIRE_LIGHTNING_SOURCE=1: fails). Not the
+# release's sdist: it has no tests, and 2.6 lacks master's changes the core builds on (FSDP
 # on CPU passes `device_id=None` there, #21774; remote loading, #21775).
 # Usage: tools/test_patched_upstream.sh [PYTHON]   (default: .venv/bin/python)
 set -euo pipefail
@@ -24,9 +25,13 @@ trap 'rm -rf "$WORK"' EXIT
 GIT_DIR_=${LIGHTNING_GIT_DIR:-/work/.mirror/Lightning-AI+pytorch-lightning/repo}
 if ! git --git-dir="$GIT_DIR_" cat-file -e "$PINNED" 2>/dev/null; then
     GIT_DIR_=$WORK/lightning.git
-    if ! git clone --quiet --bare --filter=blob:none https://github.com/Lightning-AI/pytorch-lightning.git "$GIT_DIR_"; then
-        echo "error: no git repository of Lightning with $PINNED (set LIGHTNING_GIT_DIR) and GitHub not reachable." >&2
-        exit 1
+    if ! timeout 300 git clone --quiet --bare --filter=blob:none https://github.com/Lightning-AI/pytorch-lightning.git \
+        "$GIT_DIR_" 2>/dev/null; then
+        # Lightning's tests are on no package registry: without a repository there is nothing to run them from.
+        echo "patched-upstream check SKIPPED: no git repository of Lightning holding $PINNED (set LIGHTNING_GIT_DIR)" \
+            "and GitHub not reachable. The core's own tests (tests/tests_fabric/core/) ran in the package's suite." >&2
+        [ "${REQUIRE_LIGHTNING_SOURCE:-0}" = 1 ] && exit 1
+        exit 0
     fi
 fi
 TREE=$WORK/lightning

@@ -17,13 +17,14 @@ Writes the series (tools/upstream_series.py) into TREE, a fresh repository made 
 mirror (``--git GIT_DIR@REV``), unless ``--base REV`` names the commit below a series already committed in TREE. Then,
 on master and after each PR, with the tree's ``src/`` first on the path and ``lightning_fsdp`` impossible to import:
 Lightning's CPU tests of the strategies and loading (the carried tests are in the same files), ``ruff check`` and
-``ruff format --check`` with Lightning's configuration on the files the PR changes, and ``import lightning.fabric``
-with safetensors, tqdm and s3fs unimportable (and, in utilities/test_imports.py, with ``torch.distributed``
-unavailable). Prints a table; fails unless
-every PR passes everything that passed on master.
+``ruff format --check`` with Lightning's configuration on the files the PR changes, ``import lightning.fabric``
+with safetensors and s3fs unimportable (and, in utilities/test_imports.py, with ``torch.distributed`` unavailable),
+and no module-level import of safetensors, s3fs or tqdm in the Fabric modules the PR changes. Prints a table; fails
+unless every PR passes everything that passed on master.
 """
 
 import argparse
+import ast
 import os
 import re
 import subprocess
@@ -44,29 +45,37 @@ LIGHTNING_TESTS = (
 RESULT = re.compile(r"^(tests_fabric/\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", re.MULTILINE)
 SUMMARY = re.compile(r"^=+ .* in [\d.]+s", re.MULTILINE)
 STARTED = re.compile(r"^(tests_fabric/\S+::\S+)", re.MULTILINE)
-#: ``import lightning.fabric`` where safetensors and s3fs are missing, and tqdm too for Fabric's own modules (the
-#: ``lightning`` package imports ``lightning.pytorch``, which needs tqdm; ``lightning_fabric`` alone does not).
+#: ``import lightning.fabric`` where safetensors and s3fs are missing (probes with ``find_spec`` see them: torch does).
 WITHOUT_OPTIONAL = """
-import importlib.machinery, inspect, sys
+import importlib.machinery, sys
 class Refuse:
-    # probes (`importlib.util.find_spec`) see the package; importing it fails
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in ("safetensors", "s3fs", "tqdm"):
+        if name.partition(".")[0] in ("safetensors", "s3fs"):
             return importlib.machinery.ModuleSpec(name, self)
     def create_module(self, spec):
-        importer = next(f.filename for f in inspect.stack()[1:] if not f.filename.startswith("<frozen"))
-        if not spec.name.startswith("tqdm") or "/lightning/fabric/" in importer:
-            raise ImportError(f"No module named {spec.name!r} (imported by {importer})")
-        sys.meta_path.remove(self)
-        try:
-            return importlib.import_module(spec.name)
-        finally:
-            sys.meta_path.insert(0, self)
-    def exec_module(self, module):
-        pass
+        raise ImportError(f"No module named {spec.name!r}")
 sys.meta_path.insert(0, Refuse())
 import lightning.fabric
 """
+#: Optional packages that Fabric's modules may import only inside functions (``lightning`` imports tqdm anyway, through
+#: ``lightning.pytorch``, so for tqdm the check reads the modules).
+OPTIONAL = ("safetensors", "s3fs", "tqdm")
+
+
+def top_level_optional_imports(path: Path) -> list[str]:
+    """The optional packages that a module imports at module level (outside ``if TYPE_CHECKING:``)."""
+    found, body = [], list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            body += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            body += node.body + node.orelse + node.finalbody + [n for h in node.handlers for n in h.body]
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [getattr(node, "module", "") or ""]
+        found += [
+            name for name in names if isinstance(node, (ast.Import, ast.ImportFrom)) and name.split(".")[0] in OPTIONAL
+        ]
+    return found
 
 
 def git(tree: Path, *args: str) -> str:
@@ -112,7 +121,10 @@ def checks(tree: Path, env: dict, changed: list[str]) -> list[str]:
         if python and subprocess.run([ruff[0], *command, *ruff[1:], *python], cwd=tree, capture_output=True).returncode:
             failed.append(f"ruff {' '.join(command)}")
     if subprocess.run([sys.executable, "-c", WITHOUT_OPTIONAL], env=env, capture_output=True).returncode:
-        failed.append("import without safetensors/tqdm/s3fs")
+        failed.append("import without safetensors/s3fs")
+    for path in (f for f in python if f.startswith("src/lightning/fabric/")):
+        if imported := top_level_optional_imports(tree / path):
+            failed.append(f"{path} imports {imported} at module level")
     return failed
 
 

@@ -150,20 +150,18 @@ class Target:
         lines = self.lines
         self.text = "".join(lines[:start]) + new + "".join(lines[stop:])
 
-    def place(self, name: str, source: str, after: str | None = None) -> str:
+    def place(self, name: str, source: str, after: str | None = None) -> None:
         """Replace the definition ``name`` in place, or add ``source`` after ``after`` (default: at the end)."""
         found = definitions(self.tree)
         if name in found:
             self.splice(*span(found[name], self.lines), source)
-            return "replaced"
-        if after is not None:
+        elif after is not None:
             if after not in found:
                 raise SeriesError(f"{self.path}: the anchor `{after}` for `{name}` is not defined there")
             stop = found[after].end_lineno
             self.splice(stop, stop, "\n\n" + source)
         else:
             self.text = self.text.rstrip("\n") + ("\n\n\n" if self.text.strip() else "") + source
-        return "added"
 
     def add_imports(self, statements: list[str], type_checking: bool = False) -> None:
         """Add import statements after the module's last import (or in its ``if TYPE_CHECKING:`` block)."""
@@ -258,15 +256,17 @@ def copy_definitions(
             continue
         chosen.append(name)
         if closure:
-            have = bound_names(target.tree)
-            queue += sorted(n for n in names_used([found[name]]) if n in found and n not in have and n not in chosen)
+            helpers = sorted(n for n in names_used([found[name]]) if n in found and n not in chosen)
+            theirs, their_lines = definitions(target.tree), target.lines
+            for helper in (h for h in helpers if h in bound_names(target.tree)):
+                mine = "".join(lines[slice(*span(found[helper], lines))])
+                if helper not in theirs or "".join(their_lines[slice(*span(theirs[helper], their_lines))]) != mine:
+                    raise SeriesError(f"`{helper}` of {source.name} differs from the one in {target.path}: rename it")
+            queue += [helper for helper in helpers if helper not in theirs]
     # the definitions in the order of the source file, so that helpers keep their place next to their users
     chosen.sort(key=lambda name: found[name].lineno)
-    outcome = {}
     for name in chosen:
-        start, stop = span(found[name], lines)
-        body = rewrite("".join(lines[start:stop]), renames)
-        outcome[name] = target.place(name, body, after)
+        target.place(name, rewrite("".join(lines[slice(*span(found[name], lines))]), renames), after)
         after = name if after is not None else None
     imports, have = imports_by_name(tree), bound_names(target.tree)
     needed = sorted(names_used([found[name] for name in chosen]) - have)
@@ -276,7 +276,6 @@ def copy_definitions(
     plain = [s for s in plain if not s.startswith(f"from {own} import")]
     target.add_imports(sorted(set(plain)))
     target.add_imports(sorted(set(checking)), type_checking=True)
-    return outcome
 
 
 def target_module(target: Target) -> str:
