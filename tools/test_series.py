@@ -25,13 +25,17 @@ unless every PR passes everything that passed on master.
 
 import argparse
 import ast
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from subprocess import PIPE
+from typing import Any
 
 PROJECT = Path(__file__).resolve().parents[1]
 MIRROR = "/work/.mirror/Lightning-AI+pytorch-lightning/repo@7f0c3436cd3f6ad3753125672024fc415cbcb414"
@@ -83,6 +87,15 @@ def git(tree: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(tree), *args], check=True, capture_output=True, text=True).stdout
 
 
+def run_in_session(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """Run ``command`` in a session of its own; then end what it left running (the other ranks of a failed launch)."""
+    with subprocess.Popen(command, start_new_session=True, stdout=PIPE, stderr=PIPE, text=True, **kwargs) as process:
+        stdout, stderr = process.communicate()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def pytest(tree: Path, env: dict, extra: list[str]) -> dict[str, list[str]]:
     """Run Lightning's test files on the tree's ``src/``; return the test ids by outcome.
 
@@ -91,12 +104,14 @@ def pytest(tree: Path, env: dict, extra: list[str]) -> dict[str, list[str]]:
     """
     files = [f for f in LIGHTNING_TESTS if (tree / "tests" / f).is_file()]
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-o", "addopts=", "--color=no", *extra]
-    command += ["--rootdir", str(tree)]  # the ids that `--deselect` takes are relative to it
+    # the ids that `--deselect` takes are relative to the rootdir; a test that hangs (ranks waiting for each other)
+    # ends its pytest after 5 minutes and counts as crashed
+    command += ["--rootdir", str(tree), "--timeout", "300", "--timeout-method", "thread"]
     outcomes: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
     done: list[str] = []
     while True:
         deselect = [arg for test in done for arg in ("--deselect", f"tests/{test}")]
-        run = subprocess.run([*command, *deselect, *files], cwd=tree / "tests", env=env, capture_output=True, text=True)
+        run = run_in_session([*command, *deselect, *files], cwd=tree / "tests", env=env)
         for test, outcome in RESULT.findall(run.stdout):
             kind = {"PASSED": "passed", "XFAIL": "passed", "SKIPPED": "skipped"}.get(outcome, "failed")
             outcomes[kind].append(test)
