@@ -180,7 +180,7 @@ def main() -> int:
             new = sorted(set(outcome["failed"]) - baseline)
             if new or problems:
                 failures.append(f"PR {step}: failed {new} {problems}")
-            title = git(tree, "log", "-1", "--format=%s", commit)[:60]
+            title = git(tree, "log", "-1", "--format=%s", commit).strip()[:60]
             counts = [len(outcome["passed"]), len(outcome["failed"]), len(new), len(outcome["skipped"])]
             seconds = f"{time.monotonic() - started:.0f} s"
             cells = (step or "master", commit[:8], *counts, ", ".join(problems) or "ok", seconds, title)
