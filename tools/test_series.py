@@ -66,6 +66,18 @@ import lightning.fabric
 OPTIONAL = ("safetensors", "s3fs", "tqdm")
 
 
+#: Top-level packages of the tests that need no requirement of their own.
+KNOWN = {"lightning", "tests_fabric", "torch", "pytest"}
+
+
+def module_level_imports(text: str) -> list[str]:
+    """The top-level packages that a module imports at module level."""
+    nodes = [
+        n for n in ast.parse(text).body if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0)
+    ]
+    return [(alias.name if isinstance(n, ast.Import) else n.module).split(".")[0] for n in nodes for alias in n.names]
+
+
 def top_level_optional_imports(path: Path) -> list[str]:
     """The optional packages that a module imports at module level (outside ``if TYPE_CHECKING:``)."""
     found, body = [], list(ast.parse(path.read_text()).body)
@@ -140,6 +152,13 @@ def checks(tree: Path, env: dict, changed: list[str]) -> list[str]:
     for path in (f for f in python if f.startswith("src/lightning/fabric/")):
         if imported := top_level_optional_imports(tree / path):
             failed.append(f"{path} imports {imported} at module level")
+    required = {re.split(r"[^\w.-]", line.strip())[0].lower().replace("-", "_") for req in
+                (tree / "requirements" / "fabric").glob("*.txt") for line in req.read_text().splitlines()}  # fmt: skip
+    for path in (f for f in python if f.startswith("tests/")):
+        before = git(tree, "show", f"HEAD~1:{path}") if git(tree, "ls-tree", "HEAD~1", path) else ""
+        new = set(module_level_imports((tree / path).read_text())) - set(module_level_imports(before))
+        if unknown := sorted(n for n in new if n not in required | set(sys.stdlib_module_names) | KNOWN):
+            failed.append(f"{path} imports {unknown} at module level, not in requirements/fabric")
     return failed
 
 
