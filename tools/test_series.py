@@ -47,6 +47,7 @@ LIGHTNING_TESTS = (
     "tests_fabric/test_connector.py",
 )
 RESULT = re.compile(r"^(tests_fabric/\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", re.MULTILINE)
+COLLECTION_ERROR = re.compile(r"^ERROR (tests_fabric/[^\s:]+)\s*$", re.MULTILINE)
 SUMMARY = re.compile(r"^=+ .* in [\d.]+s", re.MULTILINE)
 STARTED = re.compile(r"^(tests_fabric/\S+::\S+)", re.MULTILINE)
 #: ``import lightning.fabric`` where safetensors and s3fs are missing (probes with ``find_spec`` see them: torch does).
@@ -124,6 +125,7 @@ def pytest(tree: Path, env: dict, extra: list[str]) -> dict[str, list[str]]:
     while True:
         deselect = [arg for test in done for arg in ("--deselect", f"tests/{test}")]
         run = run_in_session([*command, *deselect, *files], cwd=tree / "tests", env=env)
+        outcomes["failed"] += [f"{path} (collection error)" for path in COLLECTION_ERROR.findall(run.stdout)]
         for test, outcome in RESULT.findall(run.stdout):
             kind = {"PASSED": "passed", "XFAIL": "passed", "SKIPPED": "skipped"}.get(outcome, "failed")
             outcomes[kind].append(test)

@@ -363,6 +363,20 @@ def apply_pr(tree: Path, pr: dict, manifest: dict, config: Path, ruff: str) -> d
     if "changelog" in pr and log.is_file():
         target(manifest["changelog"]).text = changelog(log.read_text(), *pr["changelog"])
     for relative, dest in targets.items():
+        imports = ast.walk(dest.tree) if relative.endswith(".py") else []
+        for node in (n for n in imports if isinstance(n, ast.ImportFrom) and n.module and not n.level):
+            module = tree / "src" / (node.module.replace(".", "/") + ".py")
+            if targets.get(f"src/{node.module.replace('.', '/')}.py") is None and not module.is_file():
+                continue
+            text = (
+                targets[key].text
+                if (key := f"src/{node.module.replace('.', '/')}.py") in targets
+                else module.read_text()
+            )
+            if missing := [a.name for a in node.names if a.name not in bound_names(ast.parse(text))]:
+                raise SeriesError(
+                    f"{relative} imports {missing} from {node.module}, which no PR up to `{pr['key']}` adds"
+                )
         if re.search(r"\blightning_fsdp\b|^\s*(from|import) tests\.", dest.text, re.MULTILINE):
             raise SeriesError(f"{relative} still names `lightning_fsdp` or `tests.` after the renames: see `renames`")
         dest.path.parent.mkdir(parents=True, exist_ok=True)
