@@ -35,7 +35,7 @@ test: setup
 	$(PY) -m pytest tests -q
 	bash tools/test_patched_upstream.sh $(PY)
 
-# The change written into the sdist of the installed lightning release, and this project's tests run against it.
+# The series (tools/upstream_series.py) written into Lightning's pinned master, and Lightning's tests run on it.
 test-upstream: setup
 	bash tools/test_patched_upstream.sh $(PY)
 

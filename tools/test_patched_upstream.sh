@@ -1,55 +1,53 @@
 #!/usr/bin/env bash
-# Proof that this project's change works inside Lightning itself. Downloads the sdist of the `lightning` release that
-# is installed in the environment (the one this package is tested with), writes the change into it with
-# `python -m lightning_fsdp.upstream`, and runs this project's loading, device and round-trip tests against the patched
-# upstream class (`lightning.fabric.strategies.FSDPStrategy`), with `lightning_fsdp` made impossible to import.
+# Proof that the core works inside Lightning itself: Lightning's pinned master (its sources, Fabric's tests and the
+# ruff configuration), the series of tools/upstream_series.py written into it without commits (`--apply`), and then,
+# with the installed release's dependencies and `lightning_fsdp` made impossible to import, Lightning's own CPU tests of
+# the files the series changes, which hold the carried core tests too:
+#   tests_fabric/strategies/test_fsdp.py, strategies/test_model_parallel.py, utilities/test_load.py,
+#   utilities/test_imports.py (`import lightning.fabric` where torch.distributed is unavailable), test_connector.py
+# About 3 minutes on 2 cores. tools/test_series.sh runs the same after each PR.
 #
-# The test files, picked to stay well under 5 minutes on 2 cores (about 2.5 minutes measured):
-#   test_load_raw.py          fabric.load_raw / fabric.load of raw, safetensors and Hugging Face files, shard-locally
-#   test_fsdp_roundtrip.py    save and load, full and sharded, with optimizer state, on 2 CPU ranks
-#   test_devices.py           the device checks merged into strategies/parallel.py
-#   test_load_errors.py       refusals raised on every rank as the same error
-#   test_strategy.py          the new constructor arguments, CPU wrapping (package-only tests left out)
-#   test_fsdp2.py             ModelParallelStrategy (FSDP2) merged the same way: every format into DTensor shards
-#   loading/test_formats.py   the loading package on its own (formats, byte ranges), no processes
-#   loading/test_remote.py    the remote reader on fsspec's memory file system, no processes
+# Lightning comes from a git repository holding the pinned commit: $LIGHTNING_GIT_DIR, else the local mirror, else a
+# clone from GitHub; with none of them the check says so and is skipped (REQUIRE_LIGHTNING_SOURCE=1: fails). Not the
+# release's sdist: it has no tests, and 2.6 lacks master's changes the core builds on (FSDP
+# on CPU passes `device_id=None` there, #21774; remote loading, #21775).
 # Usage: tools/test_patched_upstream.sh [PYTHON]   (default: .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-${PY:-.venv/bin/python}}
-# Absolute: the tests run from inside the patched tree (`make test` passes the venv's python as a relative path).
 case "$PY" in /*) ;; */*) PY=$PWD/$PY ;; esac
 PROJECT=$PWD
+PINNED=7f0c3436cd3f6ad3753125672024fc415cbcb414
 started=$(date +%s)
-VERSION=$("$PY" -c 'from importlib.metadata import version; print(version("lightning"))')
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
-if ! "$PY" -m pip download --quiet --no-binary :all: --no-deps "lightning==$VERSION" -d "$WORK/sdist"; then
-    echo "error: could not download the sdist of lightning==$VERSION from PyPI (is the network reachable?)." >&2
-    echo "error: the patched-upstream check did not run; it needs PyPI." >&2
-    exit 1
+GIT_DIR_=${LIGHTNING_GIT_DIR:-/work/.mirror/Lightning-AI+pytorch-lightning/repo}
+if ! git --git-dir="$GIT_DIR_" cat-file -e "$PINNED" 2>/dev/null; then
+    GIT_DIR_=$WORK/lightning.git
+    if ! timeout 300 git clone --quiet --bare --filter=blob:none https://github.com/Lightning-AI/pytorch-lightning.git \
+        "$GIT_DIR_" 2>/dev/null; then
+        # Lightning's tests are on no package registry: without a repository there is nothing to run them from.
+        echo "patched-upstream check SKIPPED: no git repository of Lightning holding $PINNED (set LIGHTNING_GIT_DIR)" \
+            "and GitHub not reachable. The core's own tests (tests/tests_fabric/core/) ran in the package's suite." >&2
+        [ "${REQUIRE_LIGHTNING_SOURCE:-0}" = 1 ] && exit 1
+        exit 0
+    fi
 fi
-tar -xzf "$WORK"/sdist/lightning-*.tar.gz -C "$WORK"
-TREE=$WORK/lightning-$VERSION
-# An sdist has no tests/: create the packages a git checkout has, so that the command carries the tests there.
-mkdir -p "$TREE/tests/tests_fabric/utilities"
-touch "$TREE/tests/tests_fabric/__init__.py" "$TREE/tests/tests_fabric/utilities/__init__.py"
-
-PYTHONPATH="$PROJECT/src" "$PY" -m lightning_fsdp.upstream "$TREE"
+TREE=$WORK/lightning
+"$PY" tools/upstream_series.py "$TREE" --from-git "$GIT_DIR_@$PINNED" --apply
 
 # From here on, nothing may come from this project: a `lightning_fsdp` that refuses to import shadows the installed one.
 mkdir -p "$WORK/block/lightning_fsdp"
 echo 'raise ImportError("the patched-upstream run must not import lightning_fsdp")' >"$WORK/block/lightning_fsdp/__init__.py"
 export PYTHONPATH="$TREE/src:$WORK/block"
 "$PY" -c "
-import lightning, torch, sys
+import lightning, torch
 assert lightning.__file__.startswith('$TREE/src/'), lightning.__file__
 print(f'patched lightning {lightning.__version__} from {lightning.__file__}, torch {torch.__version__}')
 "
 cd "$TREE/tests"
-TESTS=tests_fabric/utilities/checkpoint_loading
-"$PY" -m pytest -p no:cacheprovider -q --color=no -o addopts="--strict-markers" \
-    "$TESTS/test_load_raw.py" "$TESTS/test_fsdp_roundtrip.py" "$TESTS/test_devices.py" "$TESTS/test_load_errors.py" \
-    "$TESTS/test_strategy.py" "$TESTS/test_fsdp2.py" "$TESTS/loading/test_formats.py" "$TESTS/loading/test_remote.py"
+"$PY" -m pytest -p no:cacheprovider -q --color=no -o addopts="" \
+    tests_fabric/strategies/test_fsdp.py tests_fabric/strategies/test_model_parallel.py \
+    tests_fabric/utilities/test_load.py tests_fabric/utilities/test_imports.py tests_fabric/test_connector.py
 echo "patched-upstream check took $(($(date +%s) - started)) s"

@@ -11,59 +11,88 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Every step of the series green: ``python tools/test_series.py TREE`` (see tools/test_series.sh).
+"""Every PR of the series green on Lightning's master: ``python tools/test_series.py [TREE]`` (see test_series.sh).
 
-TREE is a git checkout of Lightning (the pinned master) with a clean working tree. Unless ``--base REV`` names the
-commit below a series already committed there, the series is committed first (``--series``). Then, at each step's
-commit, it runs Lightning's tests of the strategies (the four files of ``test_lightning_suite.py``) on the tree's own
-``src/``, and the carried tests of this project that the step adds, with ``lightning_fsdp`` impossible to import. It
-prints, per step: Lightning's tests passed, failed and edited on purpose (the step's ``lightning_edits`` and those of
-the steps before, each edited in the step that needs it), ours passed, and the lines the step changes. It fails
-unless, at every step, Lightning's tests and ours pass.
+Writes the series (tools/upstream_series.py) into TREE, a fresh repository made from the pinned master of the local
+mirror (``--git GIT_DIR@REV``), unless ``--base REV`` names the commit below a series already committed in TREE. Then,
+on master and after each PR, with the tree's ``src/`` first on the path and ``lightning_fsdp`` impossible to import:
+Lightning's CPU tests of the strategies and loading (the carried tests are in the same files), ``ruff check`` and
+``ruff format --check`` with Lightning's configuration on the files the PR changes, ``import lightning.fabric``
+with safetensors and s3fs unimportable (and, in utilities/test_imports.py, with ``torch.distributed`` unavailable),
+and no module-level import of safetensors, s3fs or tqdm in the Fabric modules the PR changes. Prints a table; fails
+unless every PR passes everything that passed on master.
 """
 
 import argparse
+import ast
+import contextlib
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from xml.etree import ElementTree
+from subprocess import PIPE
+from typing import Any
 
 PROJECT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(PROJECT / "src"))
-
-from lightning_fsdp.upstream._series import STEPS  # noqa: E402
-
+MIRROR = "/work/.mirror/Lightning-AI+pytorch-lightning/repo@7f0c3436cd3f6ad3753125672024fc415cbcb414"
 LIGHTNING_TESTS = (
     "tests_fabric/strategies/test_fsdp.py",
     "tests_fabric/strategies/test_model_parallel.py",
-    "tests_fabric/test_connector.py",
     "tests_fabric/utilities/test_load.py",
+    "tests_fabric/utilities/test_imports.py",
+    "tests_fabric/test_connector.py",
 )
-CARRIED = "tests/tests_fabric/utilities/checkpoint_loading/"
-#: The carried files that CI runs on the patched release (tools/test_patched_upstream.sh), and fast ones of the steps
-#: that bring code without them, so that every such step runs some of ours (the first has none to run); ``--all`` runs
-#: every one.
-CI_FILES = (
-    "test_load_raw.py",
-    "test_fsdp_roundtrip.py",
-    "test_devices.py",
-    "test_load_errors.py",
-    "test_strategy.py",
-    "test_fsdp2.py",
-    "test_moe.py",
-    "loading/test_sources.py",
-    "loading/test_torch_files.py",
-    "loading/test_safetensors_header.py",
-    "loading/test_bounded_parsing.py",
-    "loading/test_formats.py",
-    "loading/test_layouts.py",
-    "loading/test_agreement.py",
-    "loading/test_progress.py",
-    "loading/test_remote.py",
-)
+RESULT = re.compile(r"^(tests_fabric/\S+::.+?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)", re.MULTILINE)
+COLLECTION_ERROR = re.compile(r"^ERROR (tests_fabric/[^\s:]+)\s*$", re.MULTILINE)
+SUMMARY = re.compile(r"^=+ .* in [\d.]+s", re.MULTILINE)
+STARTED = re.compile(r"^(tests_fabric/\S+::\S+)", re.MULTILINE)
+#: ``import lightning.fabric`` where safetensors and s3fs are missing (probes with ``find_spec`` see them: torch does).
+WITHOUT_OPTIONAL = """
+import importlib.machinery, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("safetensors", "s3fs"):
+            return importlib.machinery.ModuleSpec(name, self)
+    def create_module(self, spec):
+        raise ImportError(f"No module named {spec.name!r}")
+sys.meta_path.insert(0, Refuse())
+import lightning.fabric
+"""
+#: Optional packages that Fabric's modules may import only inside functions (``lightning`` imports tqdm anyway, through
+#: ``lightning.pytorch``, so for tqdm the check reads the modules).
+OPTIONAL = ("safetensors", "s3fs", "tqdm")
+
+
+#: Top-level packages of the tests that need no requirement of their own.
+KNOWN = {"lightning", "tests_fabric", "torch", "pytest"}
+
+
+def module_level_imports(text: str) -> list[str]:
+    """The top-level packages that a module imports at module level."""
+    nodes = [
+        n for n in ast.parse(text).body if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0)
+    ]
+    return [(alias.name if isinstance(n, ast.Import) else n.module).split(".")[0] for n in nodes for alias in n.names]
+
+
+def top_level_optional_imports(path: Path) -> list[str]:
+    """The optional packages that a module imports at module level (outside ``if TYPE_CHECKING:``)."""
+    found, body = [], list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            body += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            body += node.body + node.orelse + node.finalbody + [n for h in node.handlers for n in h.body]
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [getattr(node, "module", "") or ""]
+        found += [
+            name for name in names if isinstance(node, (ast.Import, ast.ImportFrom)) and name.split(".")[0] in OPTIONAL
+        ]
+    return found
 
 
 def git(tree: Path, *args: str) -> str:
@@ -71,98 +100,124 @@ def git(tree: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(tree), *args], check=True, capture_output=True, text=True).stdout
 
 
-def pytest(tree: Path, files: list[str], block: Path, report: Path) -> dict[str, list[str]]:
-    """Run ``files`` from the tree's ``tests/`` on its ``src/``; return the test ids by outcome."""
-    env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{block}"}
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-o", "addopts=", f"--junitxml={report}"]
-    completed = subprocess.run([*command, *files], cwd=tree / "tests", env=env, capture_output=True, text=True)
+def run_in_session(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """Run ``command`` in a session of its own; then end what it left running (the other ranks of a failed launch)."""
+    with subprocess.Popen(command, start_new_session=True, stdout=PIPE, stderr=PIPE, text=True, **kwargs) as process:
+        stdout, stderr = process.communicate()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def pytest(tree: Path, env: dict, extra: list[str]) -> dict[str, list[str]]:
+    """Run Lightning's test files on the tree's ``src/``; return the test ids by outcome.
+
+    A multi-process test that fails can take pytest down with it (the launcher's observer kills the main process when
+    a child dies): that test counts as failed, and pytest runs again without the tests done so far.
+    """
+    files = [f for f in LIGHTNING_TESTS if (tree / "tests" / f).is_file()]
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-o", "addopts=", "--color=no", *extra]
+    # the ids that `--deselect` takes are relative to the rootdir; a test that hangs (ranks waiting for each other)
+    # ends its pytest after 5 minutes and counts as crashed
+    command += ["--rootdir", str(tree), "--timeout", "300", "--timeout-method", "thread"]
     outcomes: dict[str, list[str]] = {"passed": [], "failed": [], "skipped": []}
-    if not report.is_file():
-        raise SystemExit(f"pytest did not run:\n{completed.stdout[-3000:]}{completed.stderr[-3000:]}")
-    for case in ElementTree.parse(report).getroot().iter("testcase"):
-        kind = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-        name = f"{case.get('classname')}::{case.get('name')}"
-        outcomes["failed" if kind in ("failure", "error") else kind].append(name)
-    report.unlink()
-    return outcomes
+    done: list[str] = []
+    while True:
+        deselect = [arg for test in done for arg in ("--deselect", f"tests/{test}")]
+        run = run_in_session([*command, *deselect, *files], cwd=tree / "tests", env=env)
+        outcomes["failed"] += [f"{path} (collection error)" for path in COLLECTION_ERROR.findall(run.stdout)]
+        for test, outcome in RESULT.findall(run.stdout):
+            kind = {"PASSED": "passed", "XFAIL": "passed", "SKIPPED": "skipped"}.get(outcome, "failed")
+            outcomes[kind].append(test)
+            done.append(test)
+        if run.returncode >= 0 and SUMMARY.search(run.stdout):
+            return outcomes
+        started = STARTED.findall(run.stdout)
+        if not started:
+            raise SystemExit(f"pytest did not run ({run.returncode}):\n{run.stdout[-3000:]}{run.stderr[-3000:]}")
+        if started[-1] in done:  # killed after its last test had reported
+            return outcomes
+        outcomes["failed"].append(started[-1] + " (crashed)")
+        done.append(started[-1])
 
 
-def lines_changed(tree: Path, commit: str) -> dict[str, list[int]]:
-    """Lines added and removed by ``commit``: source, tests, docs (the CHANGELOG counts as docs)."""
-    counts = {"src": [0, 0], "tests": [0, 0], "docs": [0, 0]}
-    for line in git(tree, "show", "--numstat", "--format=", commit).splitlines():
-        added, removed, path = line.split("\t")
-        kind = "docs" if path.startswith("docs/") or path.endswith("CHANGELOG.md") else path.split("/")[0]
-        if kind in counts:
-            counts[kind][0] += int(added)
-            counts[kind][1] += int(removed)
-    return counts
+def checks(tree: Path, env: dict, changed: list[str]) -> list[str]:
+    """Ruff on the changed Python files and the two import checks; return what failed."""
+    failed = []
+    python = [f for f in changed if f.endswith(".py") and (tree / f).is_file()]
+    ruff = [str(Path(sys.executable).with_name("ruff")), "--config", str(tree / "pyproject.toml")]
+    for command in (["check"], ["format", "--check"]):
+        if python and subprocess.run([ruff[0], *command, *ruff[1:], *python], cwd=tree, capture_output=True).returncode:
+            failed.append(f"ruff {' '.join(command)}")
+    if subprocess.run([sys.executable, "-c", WITHOUT_OPTIONAL], env=env, capture_output=True).returncode:
+        failed.append("import without safetensors/s3fs")
+    for path in (f for f in python if f.startswith("src/lightning/fabric/")):
+        if imported := top_level_optional_imports(tree / path):
+            failed.append(f"{path} imports {imported} at module level")
+    required = {re.split(r"[^\w.-]", line.strip())[0].lower().replace("-", "_") for req in
+                (tree / "requirements" / "fabric").glob("*.txt") for line in req.read_text().splitlines()}  # fmt: skip
+    for path in (f for f in python if f.startswith("tests/")):
+        before = git(tree, "show", f"HEAD~1:{path}") if git(tree, "ls-tree", "HEAD~1", path) else ""
+        new = set(module_level_imports((tree / path).read_text())) - set(module_level_imports(before))
+        if unknown := sorted(n for n in new if n not in required | set(sys.stdlib_module_names) | KNOWN):
+            failed.append(f"{path} imports {unknown} at module level, not in requirements/fabric")
+    return failed
 
 
 def main() -> int:
-    """Check every step; print the table; return the exit status."""
+    """Check every PR; print the table; return the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("tree", type=Path)
+    parser.add_argument("tree", type=Path, nargs="?", help="default: a temporary directory")
+    parser.add_argument("--git", default=MIRROR, help="GIT_DIR@REV of Lightning to make TREE from")
     parser.add_argument("--base", help="the commit below a series already committed in TREE")
-    parser.add_argument("--all", action="store_true", help="run every carried test file a step adds, not CI's list")
+    parser.add_argument("--core", type=Path, action="append", default=[], help="read the core from this checkout")
+    parser.add_argument("-k", default="", help="pytest -k expression (default: all)")
     args = parser.parse_args()
-    tree = args.tree.resolve()
+    work = Path(tempfile.mkdtemp(prefix="series-"))
+    tree = (args.tree or work / "lightning").resolve()
     if args.base is None:
-        args.base = git(tree, "rev-parse", "HEAD").strip()
-        env = {**os.environ, "PYTHONPATH": str(PROJECT / "src")}
-        subprocess.run([sys.executable, "-m", "lightning_fsdp.upstream", "--series", str(tree)], check=True, env=env)
-    commits = git(tree, "rev-list", "--reverse", f"{args.base}..HEAD").split()
-    if len(commits) != len(STEPS):
-        raise SystemExit(f"{tree} has {len(commits)} commits above {args.base}; the series has {len(STEPS)}")
-    head = git(tree, "rev-parse", "--abbrev-ref", "HEAD").strip()
-    rows, failures = [], []
-    edited: set[str] = set()
-    with tempfile.TemporaryDirectory() as work:
-        block = Path(work) / "block"
-        (block / "lightning_fsdp").mkdir(parents=True)
-        (block / "lightning_fsdp" / "__init__.py").write_text('raise ImportError("the series must not import it")\n')
-        try:
-            for number, (commit, step) in enumerate(zip(commits, STEPS, strict=True), 1):
-                started = time.monotonic()
-                git(tree, "checkout", "--quiet", "--detach", commit)
-                edited |= {edit.node_id for edit in step.lightning_edits}
-                theirs = pytest(tree, list(LIGHTNING_TESTS), block, Path(work) / "report.xml")
-                if theirs["failed"]:
-                    failures.append(f"step {number}: Lightning's tests failed: {theirs['failed']}")
-                added = git(tree, "show", "--name-only", "--format=", commit).split()
-                ours_files = [
-                    path.removeprefix("tests/")
-                    for path in added
-                    if path.startswith(CARRIED)
-                    and Path(path).name.startswith("test_")
-                    and (args.all or path.removeprefix(CARRIED) in CI_FILES)
-                ]
-                ours = pytest(tree, ours_files, block, Path(work) / "report.xml") if ours_files else None
-                if ours is not None and ours["failed"]:
-                    failures.append(f"step {number}: ours failed {ours['failed']}")
-                counts = lines_changed(tree, commit)
-                rows.append(
-                    (
-                        number,
-                        commit[:10],
-                        len(theirs["passed"]),
-                        len(theirs["failed"]),
-                        len(edited),
-                        "-" if ours is None else f"{len(ours['passed'])} ({len(ours['skipped'])} skipped)",
-                        ", ".join(Path(path).name for path in ours_files) or "-",
-                        " ".join(f"{kind} +{a}/-{r}" for kind, (a, r) in counts.items()),
-                        f"{time.monotonic() - started:.0f} s",
-                    )
-                )
-                print(" | ".join(str(cell) for cell in rows[-1]), flush=True)
-        finally:
-            git(tree, "checkout", "--quiet", head if head != "HEAD" else commits[-1])
-    print("\n| step | commit | Lightning passed | failed | edited | ours passed | our files | lines | time |")
+        existed = tree.exists()
+        args.base = git(tree, "rev-parse", "HEAD").strip() if existed else "master"
+        command = [sys.executable, str(PROJECT / "tools/upstream_series.py"), str(tree), "--series", "series"]
+        command += [] if existed else ["--from-git", args.git]
+        command += [arg for path in args.core for arg in ("--core", str(path))]
+        subprocess.run(command, check=True)
+    commits = [args.base, *git(tree, "rev-list", "--reverse", f"{args.base}..HEAD").split()]
+    block = work / "block" / "lightning_fsdp"
+    block.mkdir(parents=True)
+    (block / "__init__.py").write_text('raise ImportError("the series must not import lightning_fsdp")\n')
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{block.parent}"}
+    extra = ["-k", args.k] if args.k else []
+    rows, baseline, failures = [], set(), []
+    try:
+        for step, commit in enumerate(commits):
+            started = time.monotonic()
+            git(tree, "checkout", "-q", "--detach", commit)
+            outcome = pytest(tree, env, extra)
+            changed = git(tree, "show", "--name-only", "--format=", commit).split() if step else []
+            problems = checks(tree, env, changed)
+            if step == 0:
+                baseline = set(outcome["failed"])
+            new = sorted(set(outcome["failed"]) - baseline)
+            if new or problems:
+                failures.append(f"PR {step}: failed {new} {problems}")
+            title = git(tree, "log", "-1", "--format=%s", commit).strip()[:60]
+            counts = [len(outcome["passed"]), len(outcome["failed"]), len(new), len(outcome["skipped"])]
+            seconds = f"{time.monotonic() - started:.0f} s"
+            cells = (step or "master", commit[:8], *counts, ", ".join(problems) or "ok", seconds, title)
+            rows.append(cells)
+            print(" | ".join(map(str, cells)), flush=True)
+    finally:
+        git(tree, "checkout", "-q", commits[-1])
+    print("\n| PR | commit | passed | failed | new failures | skipped | ruff, imports | time | title |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for row in rows:
-        print("| " + " | ".join(str(cell) for cell in row) + " |")
+    for cells in rows:
+        print("| " + " | ".join(map(str, cells)) + " |")
+    if baseline:
+        print(f"failing on master already: {sorted(baseline)}")
     for failure in failures:
         print(f"error: {failure}", file=sys.stderr)
+    print(f"tree: {tree}")
     return 1 if failures else 0
 
 

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Every step of the numbered series green on Lightning's master: see tools/test_series.py.
+# Every PR of the series green on Lightning's pinned master: see tools/test_series.py.
 #
-#   tools/test_series.sh TREE [--base REV] [--all]
+#   tools/test_series.sh [TREE] [--git GIT_DIR@REV] [--base REV] [--core CHECKOUT] [-k EXPR]
 #
-# TREE: a git checkout of Lightning at the pinned master (docs/source-fabric/upstream.rst), clean. Without --base,
-# the series is committed onto its current branch first.
+# Without TREE, a fresh repository is made from the local mirror of Lightning at the pinned master.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

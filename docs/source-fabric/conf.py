@@ -32,7 +32,8 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["examples", "_build", "Thumbs.db", ".DS_Store"]
+# core/: sections of Lightning's pages that tools/upstream_series.py inserts, not pages of their own
+exclude_patterns = ["examples", "core", "_build", "Thumbs.db", ".DS_Store"]
 # A bare ``::`` block is shown as plain text: Python belongs in ``examples/`` (executed by the tests) and is shown with
 # ``.. literalinclude:: ../examples/<name>.py`` and ``:language: python``.
 highlight_language = "text"
