@@ -4,7 +4,6 @@ from collections import Counter
 import pytest
 import torch.distributed
 
-from lightning_fsdp import FSDPStrategy
 from tests.tests_fabric.helpers.env import LAUNCHER_VARIABLES
 
 # Variables that launchers, cluster environments and Fabric itself set. A test that leaks one of them changes how
@@ -45,24 +44,8 @@ def reset_rank_zero_only():
     rank_zero_only.rank = rank
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "package_only: a test of this package itself (its opt-in, CLI, docs, benchmark), which its upstream command"
-        " leaves out and which is skipped against upstream's class",
-    )
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item], config: pytest.Config) -> None:
-    """Skip the ``package_only`` tests against upstream's class; with ``PL_RUN_STANDALONE_TESTS=1``, keep only the
-    tests marked standalone (as Lightning's suite does)."""
-    # The upstream command rewrites the import above to upstream's class (and leaves out the tests marked at module or
-    # function level); this catches any other marked test, e.g. a method of a test class.
-    if not FSDPStrategy.__module__.startswith("lightning_fsdp."):
-        skip = pytest.mark.skip(reason="a test of this package itself, run against upstream's class")
-        for item in items:
-            if item.get_closest_marker("package_only") is not None:
-                item.add_marker(skip)
+    """With ``PL_RUN_STANDALONE_TESTS=1``, keep only the tests marked standalone (as Lightning's suite does)."""
     if os.getenv("PL_RUN_STANDALONE_TESTS", "0") != "1":
         return
     selected, deselected = [], []

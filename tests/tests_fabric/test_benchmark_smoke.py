@@ -17,9 +17,6 @@ from lightning.fabric import Fabric
 from lightning_fsdp import FSDPStrategy
 from tests.tests_fabric.helpers.distributed import run_distributed
 
-# Tests of the package itself (its opt-in, CLI, docs, benchmark): `python -m lightning_fsdp.upstream` leaves them out.
-pytestmark = pytest.mark.package_only
-
 _ROOT = Path(__file__).resolve().parents[2]
 _PACKAGE = _ROOT / "benchmarks" / "bench_load"
 

@@ -23,9 +23,6 @@ from tests.tests_fabric.helpers.models import Block, TinyTransformer
 from tests.tests_fabric.helpers.runif import RunIf
 from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
 
-# Tests of the package itself (its opt-in, CLI, docs, benchmark): `python -m lightning_fsdp.upstream` leaves them out.
-pytestmark = pytest.mark.package_only
-
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     """Run the command line in this process (importing torch in a new one for each call would be slow)."""

@@ -10,9 +10,6 @@ import pytest
 
 import lightning_fsdp
 
-# Tests of the package itself (its opt-in, CLI, docs, benchmark): `python -m lightning_fsdp.upstream` leaves them out.
-pytestmark = pytest.mark.package_only
-
 _DOCS = Path(__file__).resolve().parents[2] / "docs" / "source-fabric"
 
 

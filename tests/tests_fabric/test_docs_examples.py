@@ -22,9 +22,6 @@ import pytest
 import lightning_fsdp
 from tests.tests_fabric.helpers.env import without_launcher_variables
 
-# Tests of the package itself (its opt-in, CLI, docs, benchmark): `python -m lightning_fsdp.upstream` leaves them out.
-pytestmark = pytest.mark.package_only
-
 _DOCS = Path(__file__).resolve().parents[2] / "docs" / "source-fabric"
 _EXAMPLES = sorted((_DOCS / "examples").glob("*.py"))
 _EXPECT = re.compile(r"^# expect: (.+?)\s*$", re.MULTILINE)

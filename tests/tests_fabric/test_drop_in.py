@@ -24,7 +24,6 @@ from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import TinyTransformer
 
 # It compares this package's class with upstream's, which are one class once the change is upstream.
-pytestmark = pytest.mark.package_only
 
 
 def _fsdp_model() -> Any:

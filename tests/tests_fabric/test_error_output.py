@@ -20,8 +20,6 @@ from lightning_fsdp import CheckpointLoadError, CheckpointPathError, FSDPStrateg
 from lightning_fsdp.loading.errors import ERRORS_ON_EVERY_RANK_ENV
 from tests.tests_fabric.test_docs_examples import _DOCS, _clean_env, _kill_process_group
 
-pytestmark = pytest.mark.package_only
-
 _SCRIPT = Path(__file__).parent / "scripts" / "failed_loads.py"
 _GUIDE = _DOCS / "guide" / "loading_large_checkpoints.rst"
 #: The error's own line, as a traceback ends: ``[rank1]: lightning_fsdp.loading.errors.CheckpointLoadError: ...``.

@@ -4,11 +4,7 @@ import subprocess
 import sys
 from textwrap import dedent
 
-import pytest
-
 import lightning_fsdp
-
-pytestmark = pytest.mark.package_only
 
 
 def test_import_with_torch_dist_unavailable():

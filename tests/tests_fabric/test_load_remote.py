@@ -48,8 +48,6 @@ from tests.tests_fabric.helpers.object_store import (
 )
 from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
 
-pytestmark = pytest.mark.package_only
-
 _WIDTH = 128  # tensors of 64 KiB and more: larger than the blocks small reads are served from
 
 

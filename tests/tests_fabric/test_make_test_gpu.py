@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# Tests of the package itself (its opt-in, CLI, docs, benchmark): `python -m lightning_fsdp.upstream` leaves them out.
 pytestmark = [
-    pytest.mark.package_only,
     pytest.mark.skipif(
         shutil.which("nvidia-smi") is not None or Path("/proc/driver/nvidia/gpus").is_dir(),
         reason="a machine with an NVIDIA driver: `make test-gpu` runs the real check there",

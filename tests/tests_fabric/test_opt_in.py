@@ -21,9 +21,6 @@ from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.env import without_launcher_variables
 from tests.tests_fabric.helpers.models import TinyTransformer
 
-# Tests of the package itself (its opt-in, CLI, docs, benchmark): `python -m lightning_fsdp.upstream` leaves them out.
-pytestmark = pytest.mark.package_only
-
 _SCRIPT = Path(__file__).parent / "scripts" / "downstream_script.py"
 
 

@@ -16,7 +16,6 @@ from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, TinyTransformer
 
 
-@pytest.mark.package_only
 def test_is_an_upstream_fsdp_strategy():
     """Downstream code (litgpt's ``load_checkpoint``, Fabric's connector) dispatches on the upstream class."""
     strategy = FSDPStrategy()
@@ -26,7 +25,6 @@ def test_is_an_upstream_fsdp_strategy():
     assert isinstance(strategy, lightning.fabric.strategies.ParallelStrategy)
 
 
-@pytest.mark.package_only
 def test_signature_is_upstreams_plus_ours():
     """Upstream's parameters in upstream's order, kinds, defaults and annotations, then ours, keyword-only.
 
@@ -87,7 +85,6 @@ def test_load_concurrency_is_validated(value):
         FSDPStrategy(load_concurrency=value)
 
 
-@pytest.mark.package_only
 @pytest.mark.parametrize("strategy", ["fsdp", *_FSDP_ALIASES, UpstreamFSDPStrategy()])
 def test_upstream_class_still_refuses_cpu(strategy):
     """Behaviour changes only through this package's class: upstream's keeps refusing CPU as it does today."""
@@ -101,7 +98,6 @@ def test_fabric_accepts_our_class_on_cpu():
     assert fabric.strategy.root_device == torch.device("cpu")
 
 
-@pytest.mark.package_only
 def test_version_is_exposed():
     assert isinstance(lightning_fsdp.__version__, str)
 

@@ -5,7 +5,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn as nn
-from safetensors.torch import save_file
 
 from lightning.fabric.accelerators import CPUAccelerator
 from lightning.fabric.plugins.environments import LightningEnvironment
@@ -67,10 +66,10 @@ def _write_raw_files(path):
     state_dict = _model().state_dict()
     torch.save(state_dict, path / "model.pt")
     torch.save(state_dict, path / "legacy.pt", _use_new_zipfile_serialization=False)
-    save_file(state_dict, path / "model.safetensors")
+    _save_safetensors(state_dict, path / "model.safetensors")
     first, second = list(state_dict)[:2], list(state_dict)[2:]
-    save_file({k: state_dict[k] for k in first}, path / "model-00001-of-00002.safetensors")
-    save_file({k: state_dict[k] for k in second}, path / "model-00002-of-00002.safetensors")
+    _save_safetensors({k: state_dict[k] for k in first}, path / "model-00001-of-00002.safetensors")
+    _save_safetensors({k: state_dict[k] for k in second}, path / "model-00002-of-00002.safetensors")
     weight_map = dict.fromkeys(first, "model-00001-of-00002.safetensors")
     weight_map.update(dict.fromkeys(second, "model-00002-of-00002.safetensors"))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -198,3 +197,9 @@ def test_fsdp_module_init_context_sets_own_device(monkeypatch):
     ):
         pass
     cuda_device.assert_called_once_with(torch.device("cuda", 1))
+
+
+def _save_safetensors(tensors, path):
+    # `safetensors` is optional: the tests that write such files are skipped without it
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file(tensors, path)

@@ -2,7 +2,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from lightning_fsdp.core.load import (
     _find_hf_index,
@@ -15,7 +14,7 @@ from lightning_fsdp.core.load import (
 
 
 def test_is_safetensors_file_from_content(tmp_path):
-    save_file({"a": torch.zeros(2)}, tmp_path / "weights.bin")
+    _save_safetensors({"a": torch.zeros(2)}, tmp_path / "weights.bin")
     torch.save({"a": torch.zeros(2)}, tmp_path / "model.safetensors")
     (tmp_path / "empty").write_bytes(b"")
     assert _is_safetensors_file(tmp_path / "weights.bin")
@@ -39,8 +38,8 @@ def test_lazy_load_state_dict_formats(tmp_path):
     state_dict = {"a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)}
     torch.save(state_dict, tmp_path / "zip.pt")
     torch.save(state_dict, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
-    save_file(state_dict, tmp_path / "model.safetensors")
-    save_file({"a": state_dict["a"]}, tmp_path / "shard-1.safetensors")
+    _save_safetensors(state_dict, tmp_path / "model.safetensors")
+    _save_safetensors({"a": state_dict["a"]}, tmp_path / "shard-1.safetensors")
     torch.save({"b": state_dict["b"]}, tmp_path / "shard-2.bin")
     weight_map = {"a": "shard-1.safetensors", "b": "shard-2.bin"}
     (tmp_path / "model.index.json").write_text(json.dumps({"weight_map": weight_map}))
@@ -56,7 +55,7 @@ def test_lazy_load_state_dict_formats(tmp_path):
 
 def test_read_flat_and_box_from_safetensors_slices(tmp_path):
     tensor = torch.arange(30.0).reshape(5, 6)
-    save_file({"t": tensor, "s": torch.tensor(7.0)}, tmp_path / "model.safetensors")
+    _save_safetensors({"t": tensor, "s": torch.tensor(7.0)}, tmp_path / "model.safetensors")
     loaded = _lazy_load_state_dict(tmp_path / "model.safetensors")
     for start, stop in [(0, 30), (7, 8), (5, 19), (29, 30), (12, 12)]:
         assert torch.equal(_read_flat(loaded["t"], start, stop), tensor.reshape(-1)[start:stop])
@@ -72,3 +71,9 @@ def test_hf_index_refuses_shards_outside_its_folder(tmp_path):
     (tmp_path / "model.index.json").write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match="no `weight_map`"):
         _lazy_load_state_dict(tmp_path)
+
+
+def _save_safetensors(tensors, path):
+    # `safetensors` is optional: the tests that write such files are skipped without it
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file(tensors, path)
