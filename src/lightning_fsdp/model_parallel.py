@@ -179,6 +179,30 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         )
 
     @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save model, optimizer, and other state; see upstream's method.
+
+        A full checkpoint (``save_distributed_checkpoint=False``) is written by every rank, each its own slices, into
+        the one file that upstream writes (see :mod:`lightning_fsdp.saving`); where that cannot serve, upstream's
+        gather on rank 0 runs, with one warning saying why.
+
+        """
+        if not self._save_distributed_checkpoint and storage_options is None and isinstance(state, dict):
+            modules = [obj for obj in state.values() if isinstance(obj, Module) and has_dtensor_params(obj)]
+            if len(modules) == 1:
+                from lightning_fsdp.saving import save_full_checkpoint
+
+                if save_full_checkpoint(self, path, state, filter, modules[0], fsdp2=True):
+                    return
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
     def load_checkpoint(
         self,
         path: _PATH,

@@ -224,6 +224,12 @@ class FSDPStrategy(_UpstreamFSDPStrategy):
         which crashes.
 
         """
+        if self._state_dict_type == "full" and storage_options is None:
+            from lightning_fsdp.saving import save_full_checkpoint
+
+            module = _single_fsdp_module(state, saving=True)
+            if save_full_checkpoint(self, path, state, filter, module, fsdp2=False):
+                return None
         if self._state_dict_type != "full" or not self._set_up_on_cpu():
             with torch_internal_warnings_silenced():
                 return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
