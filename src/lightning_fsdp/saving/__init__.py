@@ -16,7 +16,7 @@ from torch.nn import Module
 from lightning_fsdp.loading.agreement import new_namespace
 from lightning_fsdp.saving.consolidated import CheckpointSaveError, Ranks, SaveRequest, save
 
-__all__ = ["CheckpointSaveError", "save_full_checkpoint"]
+__all__ = ["CheckpointSaveError", "save_full_checkpoint", "save_safetensors"]
 
 _warned: set[str] = set()
 
@@ -65,6 +65,48 @@ def save_full_checkpoint(
         _warn_fallback(reason)
         return False
     return True
+
+
+def save_safetensors(fabric: Any, path: Any, model: Module) -> None:
+    """Export the weights of a sharded ``model`` as one ``.safetensors`` file, every rank writing its own slices.
+
+    The file holds the model's state dict (parameters and persistent buffers, under the names ``Module.state_dict``
+    gives them), each tied tensor once under its first name, as ``safetensors.torch.save_model`` and
+    ``save_pretrained`` store tied weights. Rank 0 writes the header; every rank writes its slices at their offsets;
+    the file appears under ``path`` only when every rank succeeded. Call it on every rank, like ``fabric.save``.
+
+    Example::
+
+        from lightning_fsdp.saving import save_safetensors
+
+        save_safetensors(fabric, "model.safetensors", model)
+
+    Raises:
+        CheckpointSaveError: On every rank, if writing failed on any rank, or if the model's layout or the ranks'
+            file system cannot serve this export (the message says why).
+
+    """
+    from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
+    from lightning_fsdp.saving.consolidated import SaveUnsupported
+
+    strategy = getattr(fabric, "strategy", fabric)
+    module = getattr(model, "_forward_module", model)
+    start = strategy.broadcast((str(path), new_namespace()))
+    request = SaveRequest(
+        path=Path(start[0]),
+        state={"model": module},
+        module=module,
+        fsdp2=has_dtensor_params(module),
+        namespace=start[1],
+        ranks=Ranks(strategy.global_rank, strategy.world_size),
+        safetensors=True,
+    )
+    try:
+        reason = save(request, _converted)
+    except SaveUnsupported as error:  # raised by the header on every rank alike
+        reason = str(error)
+    if reason is not None:
+        raise CheckpointSaveError(f"`save_safetensors` cannot write {str(path)!r}: {reason}.")
 
 
 def _converted(obj: Any) -> Any:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import math
 import os
 import pickle
@@ -264,7 +265,9 @@ class _Layout:
     """The labels of the records that this rank writes its slices of."""
 
 
-def _merge(plan: _Plan, reports: list[_Report], rank_index: int, flat_optimizer_order: bool) -> _Layout:
+def _merge(
+    plan: _Plan, reports: list[_Report], rank_index: int, flat_optimizer_order: bool, safetensors: bool = False
+) -> _Layout:
     records: list[_Record] = []
     by_label: dict[str, int] = {}
 
@@ -313,9 +316,54 @@ def _merge(plan: _Plan, reports: list[_Report], rank_index: int, flat_optimizer_
         for holders in groups.values():
             if holders[index % len(holders)] == rank_index:
                 writes.add(record.label)
-    names = [(archive.storage_record_name(str(index)), record.nbytes) for index, record in enumerate(records)]
-    placed, end = archive.plan_records(names, 0)
+    if safetensors:
+        placed, end = _safetensors_layout(records)
+    else:
+        names = [(archive.storage_record_name(str(index)), record.nbytes) for index, record in enumerate(records)]
+        placed, end = archive.plan_records(names, 0)
     return _Layout(records, by_label, placed, end, merged_states, writes)
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _safetensors_header(records: list[_Record]) -> bytes:
+    """The safetensors header (length prefix included): the tensors back to back, in ``records`` order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for record in records:
+        if record.dtype not in _SAFETENSORS_DTYPES:
+            raise SaveUnsupported(f"safetensors has no dtype for {record.dtype} ({record.label!r})")
+        name = record.label.removeprefix("model/")
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[record.dtype],
+            "shape": list(record.shape),
+            "data_offsets": [offset, offset + record.nbytes],
+        }
+        offset += record.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _safetensors_layout(records: list[_Record]) -> tuple[list[archive.RecordLayout], int]:
+    start = len(_safetensors_header(records))
+    placed = []
+    for record in records:
+        placed.append(archive.RecordLayout(record.label, 0, start, record.nbytes))
+        start += record.nbytes
+    return placed, start
 
 
 def _local_writes(plan: _Plan, layout: _Layout) -> list[_LocalWrite]:
@@ -454,6 +502,8 @@ class SaveRequest:
     """FSDP1 with ``use_orig_params=True`` lists the optimizer's state by sorted parameter names."""
     flat_optimizer_order: bool = False
     """FSDP1 with ``use_orig_params=False`` lists each parameter's per-element states before its other states."""
+    safetensors: bool = False
+    """Write the model's tensors as one ``.safetensors`` file instead (each tied tensor once, under its first name)."""
 
 
 def temporary_path(path: Path, namespace: str) -> Path:
@@ -492,7 +542,9 @@ def save(request: SaveRequest, converted: Callable[[Any], Any]) -> str | None:
                 if reason is None:
                     assert plan is not None
                     try:
-                        layout = _merge(plan, reports, ranks.rank, flat_optimizer_order=request.flat_optimizer_order)
+                        layout = _merge(
+                            plan, reports, ranks.rank, request.flat_optimizer_order, safetensors=request.safetensors
+                        )
                     except SaveUnsupported as unsupported:
                         reason = str(unsupported)
                 if reason is None:
@@ -512,7 +564,12 @@ def save(request: SaveRequest, converted: Callable[[Any], Any]) -> str | None:
                 raise
             all_crcs = _exchange(agreement, "crc", [crcs[index] for index in range(len(layout.records))], ranks)
             if ranks.rank == 0:
-                _finish(fd, request, plan, layout, all_crcs, converted)
+                if request.safetensors:
+                    _pwrite_all(fd, memoryview(_safetensors_header(layout.records)), 0)
+                    os.ftruncate(fd, layout.end)
+                    os.fsync(fd)
+                else:
+                    _finish(fd, request, plan, layout, all_crcs, converted)
                 os.close(fd)
                 fd = -1
                 if request.path.is_dir():
