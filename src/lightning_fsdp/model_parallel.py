@@ -54,6 +54,7 @@ from lightning_fsdp.loading_calls import (
     load_request,
     raise_if_path_refused,
 )
+from lightning_fsdp.strategy import _FULL_CHECKPOINT_WRITERS
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -188,18 +189,17 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
     ) -> None:
         """Save model, optimizer, and other state; see upstream's method.
 
-        A full checkpoint (``save_distributed_checkpoint=False``) is written by every rank, each its own slices, into
-        the one file that upstream writes (see :mod:`lightning_fsdp.saving`); where that cannot serve, upstream's
-        gather on rank 0 runs, with one warning saying why.
+        A full checkpoint (``save_distributed_checkpoint=False``) is handed to the registered writers that need no
+        gather (the ``lightning_fsdp.saving`` extension writes it from every rank); where none writes it, upstream's
+        gather on rank 0 runs.
 
         """
-        if not self._save_distributed_checkpoint and storage_options is None and isinstance(state, dict):
+        if not self._save_distributed_checkpoint and storage_options is None and _FULL_CHECKPOINT_WRITERS:
             modules = [obj for obj in state.values() if isinstance(obj, Module) and has_dtensor_params(obj)]
-            if len(modules) == 1:
-                from lightning_fsdp.saving import save_full_checkpoint
-
-                if save_full_checkpoint(self, path, state, filter, modules[0], fsdp2=True):
-                    return
+            if len(modules) == 1 and any(
+                write(self, path, state, filter, modules[0], True) for write in _FULL_CHECKPOINT_WRITERS
+            ):
+                return
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override

@@ -14,6 +14,9 @@ from tests.tests_fabric.helpers.models import Block, TinyTransformer
 from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
 from tests.tests_fabric.test_fsdp2 import _Model, _parallelize
 
+# The gather-free save is an extension (#28): it is not carried upstream with the core.
+pytestmark = pytest.mark.package_only
+
 
 def _fabric(layout: str) -> Fabric:
     if layout == "fsdp1":

@@ -1,8 +1,10 @@
 """Saving without a gather: a full checkpoint that every rank writes its own slices of (an extension of the package).
 
-:func:`save_full_checkpoint` is what :meth:`lightning_fsdp.FSDPStrategy.save_checkpoint` and
-:meth:`lightning_fsdp.ModelParallelStrategy.save_checkpoint` call for a full checkpoint (``state_dict_type="full"``,
-``save_distributed_checkpoint=False``); :mod:`.consolidated` explains how the file is written.
+Importing this module registers :func:`save_full_checkpoint` as a full-checkpoint writer of both strategies
+(``lightning_fsdp.strategy._FULL_CHECKPOINT_WRITERS``, the core's seam), so that
+:meth:`lightning_fsdp.FSDPStrategy.save_checkpoint` and :meth:`lightning_fsdp.ModelParallelStrategy.save_checkpoint`
+call it for a full checkpoint (``state_dict_type="full"``, ``save_distributed_checkpoint=False``); ``lightning_fsdp``
+imports it with either strategy. :mod:`.consolidated` explains how the file is written.
 """
 
 from collections.abc import Callable
@@ -133,3 +135,18 @@ def _warn_fallback(reason: str) -> None:
         f"The full checkpoint is saved by gathering it on rank 0 (Lightning's way), not by every rank writing its own"
         f" slices, because {reason}."
     )
+
+
+def _write(strategy: Any, path: Any, state: dict, filter: Any, module: Module, fsdp2: bool) -> bool:
+    # Looked up at call time, so that patching `lightning_fsdp.saving.save_full_checkpoint` reaches the strategies.
+    return save_full_checkpoint(strategy, path, state, filter, module, fsdp2)
+
+
+def _register() -> None:
+    from lightning_fsdp.strategy import _FULL_CHECKPOINT_WRITERS
+
+    if _write not in _FULL_CHECKPOINT_WRITERS:
+        _FULL_CHECKPOINT_WRITERS.append(_write)
+
+
+_register()

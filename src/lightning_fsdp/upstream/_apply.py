@@ -61,6 +61,7 @@ NOT_CARRIED = {
     "opt_in": "`lightning_fsdp.enable()`: once the strategy is upstream, unmodified scripts get it",
     "cli": "the `lightning-fsdp` command: a maintainer would add `inspect` and `convert` to `fabric`'s CLI by hand",
     "upstream": "this command",
+    "saving": "the gather-free full save (#28): an extension, to be proposed upstream later as one PR per strategy",
 }
 #: Where this project's ``tests/tests_fabric/`` goes (its own conftest and helpers come along).
 TESTS_DIR = "tests/tests_fabric/utilities/checkpoint_loading"

@@ -678,6 +678,7 @@ STEPS: tuple[Step, ...] = (
                 for name in (
                     "FSDPStrategy.module_sharded_context",
                     "FSDPStrategy.save_checkpoint",
+                    "_FULL_CHECKPOINT_WRITERS",
                     "FSDPStrategy._set_up_on_cpu",
                     "FSDPStrategy._setup_module_on_cpu",
                     "FSDPStrategy._fsdp_wrapper_kwargs",
