@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     strategies = ("fsdp1", "fsdp2") if args.strategy == "both" else (args.strategy,)
     rows = [
-        "| strategy | save | time | rank 0 peak anon above base | other ranks' peak (max) | bytes written, rank 0 |"
-        " bytes written, each other rank | file | load-back |",
+        "| strategy | save | time | rank 0 peak anon above base | other ranks' peak (max) | written (wchar), rank 0 |"
+        " written (wchar), each other rank | file | load-back |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     targets = []
