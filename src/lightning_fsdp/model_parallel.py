@@ -190,8 +190,7 @@ class ModelParallelStrategy(_UpstreamModelParallelStrategy):
         """Save model, optimizer, and other state; see upstream's method.
 
         A full checkpoint (``save_distributed_checkpoint=False``) is handed to the registered writers that need no
-        gather (the ``lightning_fsdp.saving`` extension writes it from every rank); where none writes it, upstream's
-        gather on rank 0 runs.
+        gather (an extension that writes it from every rank); where none writes it, the gather on rank 0 runs.
 
         """
         if not self._save_distributed_checkpoint and storage_options is None and _FULL_CHECKPOINT_WRITERS:

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 #: Writers of a full checkpoint that need no gather on rank 0, tried in order by ``save_checkpoint`` of both strategies:
 #: ``write(strategy, path, state, filter, module, fsdp2) -> bool`` returns whether it wrote the file. An extension
-#: registers one (``lightning_fsdp.saving``); without one, or when each declines, the full save gathers as upstream's.
+#: registers one; without one, or when each declines, the full save gathers on rank 0 as before.
 _FULL_CHECKPOINT_WRITERS: list[Callable[..., bool]] = []
 
 
