@@ -52,6 +52,7 @@ from lightning_fsdp.loading_calls import (
     load_request,
     raise_if_path_refused,
 )
+from lightning_fsdp.strategy import _FULL_CHECKPOINT_WRITERS
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -164,6 +165,29 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
         attach_init_record(module, record)
         _check_placement(module, self.root_device, where="after `parallelize_fn`", strategy=type(self).__name__)
         return module
+
+    @override
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save model, optimizer, and other state; see upstream's method.
+
+        A full checkpoint (``save_distributed_checkpoint=False``) is handed to the registered writers that need no
+        gather (an extension that writes it from every rank); where none writes it, the gather on rank 0 runs.
+
+        """
+        if not self._save_distributed_checkpoint and storage_options is None and _FULL_CHECKPOINT_WRITERS:
+            modules = [obj for obj in state.values() if isinstance(obj, Module) and has_dtensor_params(obj)]
+            if len(modules) == 1 and any(
+                write(self, path, state, filter, modules[0], True) for write in _FULL_CHECKPOINT_WRITERS
+            ):
+                return
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
     def load_checkpoint(

@@ -20,6 +20,7 @@ from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
 from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelParallelStrategy
 from lightning.fabric.strategies.fsdp import _FSDP_ALIASES
 
+import lightning_fsdp.saving  # noqa: F401  (registers the gather-free full save with both strategies)
 from lightning_fsdp.model_parallel import ModelParallelStrategy
 from lightning_fsdp.strategy import FSDPStrategy
 

@@ -64,6 +64,12 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
 
+#: Writers of a full checkpoint that need no gather on rank 0, tried in order by ``save_checkpoint`` of both strategies:
+#: ``write(strategy, path, state, filter, module, fsdp2) -> bool`` returns whether it wrote the file. An extension
+#: registers one; without one, or when each declines, the full save gathers on rank 0 as before.
+_FULL_CHECKPOINT_WRITERS: list[Callable[..., bool]] = []
+
+
 class FSDPStrategy(_CoreFSDPStrategy):
     r"""Fabric's :class:`~lightning.fabric.strategies.FSDPStrategy` that also runs on CPU.
 
@@ -211,6 +217,10 @@ class FSDPStrategy(_CoreFSDPStrategy):
         which crashes.
 
         """
+        if self._state_dict_type == "full" and storage_options is None and _FULL_CHECKPOINT_WRITERS:
+            module = _single_fsdp_module(state, saving=True)
+            if any(write(self, path, state, filter, module, False) for write in _FULL_CHECKPOINT_WRITERS):
+                return None
         if self._state_dict_type != "full" or not self._set_up_on_cpu():
             with torch_internal_warnings_silenced():
                 return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)

@@ -1,0 +1,283 @@
+"""Save the same sharded model and Adam state with Lightning's full save and with lightning-fsdp's, and compare.
+
+For each strategy family (FSDP1, FSDP2) and implementation, a fresh group of CPU rank processes (gloo) builds the
+synthetic transformer of ``bench_load`` (``--size``), shards it, fills every rank's shards from a seed of its own
+(so that two runs hold the same values), takes one Adam step, and saves ``{"model", "optimizer", "step"}`` with
+``state_dict_type="full"`` / ``save_distributed_checkpoint=False``. Each rank measures its own save: the time between
+two barriers, the peak of its anonymous resident memory (``RssAnon``, sampled every 5 ms by a thread) above what it
+held just before, and the bytes it wrote (``wchar`` of ``/proc/self/io``). "lightning" is the strategy's parent path
+(Lightning's gather: FSDP's full state dict and ``FSDP.optim_state_dict`` on rank 0, which writes; for FSDP1 the CPU
+variant of it that this package's strategy runs, since FSDP's CPU offload cannot run on a CPU model); "lightning-fsdp"
+is this package's gather-free save. After its save, the lightning-fsdp run zeroes its model and optimizer state and
+loads the file back with this package's ``fabric.load``: every rank's shards must hash as before the save. The parent
+then compares the two files bit-exact (``torch.load(mmap=True)`` of Lightning's against Lightning's own lazy reader
+of ours: keys in order, dtypes, shapes, bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+from benchmarks.bench_load.checkpoints import PRESETS, Block, Model
+
+_SAMPLE_S = 0.005
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as file:
+        for line in file:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _io(key: str) -> int:
+    with open("/proc/self/io") as file:
+        for line in file:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class _PeakAnon:
+    """The peak of this process's ``RssAnon`` while it runs (bytes)."""
+
+    def __init__(self) -> None:
+        self.peak = _status_kb("RssAnon") * 1024
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _status_kb("RssAnon") * 1024)
+            time.sleep(_SAMPLE_S)
+
+    def __enter__(self) -> _PeakAnon:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status_kb("RssAnon") * 1024)
+
+
+def _parallelize(model: Model, device_mesh: Any) -> Model:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=device_mesh["data_parallel"])
+    fully_shard(model, mesh=device_mesh["data_parallel"])
+    return model
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    tensors = [_local(p.detach()) for p in model.parameters()]
+    for state in optimizer.state.values():
+        tensors += [_local(v) for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+    for tensor in tensors:
+        digest.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    from lightning.fabric import Fabric
+
+    import lightning_fsdp.saving
+    from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
+
+    ranks = cfg["ranks"]
+    if cfg["strategy"] == "fsdp2":
+        strategy = ModelParallelStrategy(
+            _parallelize, data_parallel_size=ranks, tensor_parallel_size=1, save_distributed_checkpoint=False
+        )
+    else:
+        strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full")
+    fabric = Fabric(accelerator="cpu", devices=ranks, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = Model(cfg["width"], cfg["depth"])
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-3))
+    generator = torch.Generator().manual_seed(1234 + rank)
+    with torch.no_grad():
+        for param in model.parameters():
+            local = _local(param)
+            local.copy_(torch.randn(local.shape, generator=generator) * 0.02)
+    torch.manual_seed(0)
+    fabric.backward(model(torch.randn(2, cfg["width"])).sum())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    before = _digest(model, optimizer)
+    state = {"model": model, "optimizer": optimizer, "step": 1}
+    fabric.barrier()
+    base = _status_kb("RssAnon") * 1024
+    wchar = _io("wchar")
+    with _PeakAnon() as peak:
+        start = time.perf_counter()
+        if cfg["implementation"] == "lightning":
+            with mock.patch.object(lightning_fsdp.saving, "save_full_checkpoint", return_value=False):
+                fabric.save(cfg["path"], state)
+        else:
+            fabric.save(cfg["path"], state)
+        fabric.barrier()
+        seconds = time.perf_counter() - start
+    result = {
+        "rank": rank,
+        "seconds": seconds,
+        "base": base,
+        "peak_above_base": peak.peak - base,
+        "written": _io("wchar") - wchar,
+    }
+    if cfg["implementation"] == "lightning-fsdp":
+        with torch.no_grad():
+            for param in model.parameters():
+                _local(param).zero_()
+            for param_state in optimizer.state.values():
+                for value in param_state.values():
+                    if isinstance(value, torch.Tensor):
+                        _local(value).zero_()
+        fabric.load(cfg["path"], {"model": model, "optimizer": optimizer, "step": 0})
+        result["load_back_exact"] = _digest(model, optimizer) == before
+    results.put(result)
+
+
+def _run_case(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    context = multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    port = find_free_network_port()
+    processes = [context.Process(target=_worker, args=(cfg, r, port, results)) for r in range(cfg["ranks"])]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    if any(process.exitcode != 0 for process in processes):
+        raise RuntimeError(f"a rank failed in {cfg['strategy']}/{cfg['implementation']}")
+    outcome = [results.get() for _ in processes]
+    return sorted(outcome, key=lambda item: item["rank"])
+
+
+def _identical(actual: Any, expected: Any, path: str = "") -> str | None:
+    """The first difference between two loaded checkpoints, or ``None``."""
+    if type(actual) is not type(expected):
+        return f"{path}: {type(actual).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        if (actual.dtype, actual.shape) != (expected.dtype, expected.shape):
+            return f"{path}: {actual.dtype}{tuple(actual.shape)} != {expected.dtype}{tuple(expected.shape)}"
+        left, right = actual.contiguous().reshape(-1), expected.contiguous().reshape(-1)
+        return None if torch.equal(left.view(torch.uint8), right.view(torch.uint8)) else f"{path}: bytes differ"
+    if isinstance(expected, dict):
+        if list(actual) != list(expected):
+            return f"{path}: keys differ"
+        for key in expected:
+            difference = _identical(actual[key], expected[key], f"{path}.{key}")
+            if difference:
+                return difference
+        return None
+    if isinstance(expected, (list, tuple)):
+        if len(actual) != len(expected):
+            return f"{path}: lengths differ"
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            difference = _identical(a, e, f"{path}[{index}]")
+            if difference:
+                return difference
+        return None
+    return None if actual == expected else f"{path}: {actual!r} != {expected!r}"
+
+
+def _compare(ours: Path, reference: Path) -> str:
+    from lightning.fabric.utilities.load import _lazy_load, _materialize_tensors
+
+    difference = _identical(_materialize_tensors(_lazy_load(ours)), torch.load(reference, mmap=True, weights_only=True))
+    return "bit-exact" if difference is None else f"DIFFERENT ({difference})"
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:.2f} GB" if abs(value) >= 1e8 else f"{value / 1e6:.1f} MB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_save", description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1gb", choices=sorted(PRESETS))
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--strategy", default="both", choices=("fsdp1", "fsdp2", "both"))
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_save"))
+    parser.add_argument("--output", type=Path, default=None, help="also write the Markdown table here")
+    args = parser.parse_args(argv)
+    width, depth = PRESETS[args.size]
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    strategies = ("fsdp1", "fsdp2") if args.strategy == "both" else (args.strategy,)
+    rows = [
+        "| strategy | save | time | rank 0 peak anon above base | other ranks' peak (max) | written (wchar), rank 0 |"
+        " written (wchar), each other rank | file | load-back |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    targets = []
+    measured: dict[str, Any] = {}
+    for strategy in strategies:
+        runs = {}
+        for implementation in ("lightning", "lightning-fsdp"):
+            path = args.workdir / f"{strategy}-{implementation}.ckpt"
+            cfg = {
+                "strategy": strategy,
+                "implementation": implementation,
+                "ranks": args.ranks,
+                "width": width,
+                "depth": depth,
+                "path": str(path),
+            }
+            print(f"bench_save: {strategy} {implementation} ...", flush=True)
+            runs[implementation] = _run_case(cfg)
+        ours, reference = args.workdir / f"{strategy}-lightning-fsdp.ckpt", args.workdir / f"{strategy}-lightning.ckpt"
+        verdict = _compare(ours, reference)
+        for implementation, ranks in runs.items():
+            seconds = max(rank["seconds"] for rank in ranks)
+            others = [rank["peak_above_base"] for rank in ranks[1:]]
+            path = args.workdir / f"{strategy}-{implementation}.ckpt"
+            load_back = (
+                "n/a"
+                if implementation == "lightning"
+                else ("exact on every rank" if all(r["load_back_exact"] for r in ranks) else "DIFFERENT")
+            )
+            rows.append(
+                f"| {strategy} | {implementation} | {seconds:.1f} s | {_gb(ranks[0]['peak_above_base'])} |"
+                f" {_gb(max(others))} | {_gb(ranks[0]['written'])} |"
+                f" {', '.join(_gb(r['written']) for r in ranks[1:])} | {_gb(path.stat().st_size)} |"
+                f" {load_back}{'; file vs Lightning: ' + verdict if implementation == 'lightning-fsdp' else ''} |"
+            )
+        ours_ranks, lightning_ranks = runs["lightning-fsdp"], runs["lightning"]
+        ratio_memory = ours_ranks[0]["peak_above_base"] / max(max(r["peak_above_base"] for r in ours_ranks[1:]), 1)
+        ratio_time = max(r["seconds"] for r in ours_ranks) / max(r["seconds"] for r in lightning_ranks)
+        targets.append(
+            f"- {strategy}: rank 0's peak anonymous memory above base / other ranks' largest = {ratio_memory:.2f}"
+            f" (target <= 1.2: {'met' if ratio_memory <= 1.2 else 'NOT met'}); time / Lightning's ="
+            f" {ratio_time:.2f} (target <= 0.5: {'met' if ratio_time <= 0.5 else 'NOT met'})"
+        )
+        measured[strategy] = runs
+    text = "\n".join([*rows, "", *targets]) + "\n"
+    print(text)
+    (args.workdir / "results.json").write_text(json.dumps(measured, indent=1))
+    if args.output is not None:
+        args.output.write_text(text)
+    return 0
