@@ -217,7 +217,12 @@ class FSDPStrategy(_CoreFSDPStrategy):
         which crashes.
 
         """
-        if self._state_dict_type == "full" and storage_options is None and _FULL_CHECKPOINT_WRITERS:
+        if (
+            self._state_dict_type == "full"
+            and storage_options is None
+            and self.parallel_devices is not None
+            and _FULL_CHECKPOINT_WRITERS
+        ):
             module = _single_fsdp_module(state, saving=True)
             if any(write(self, path, state, filter, module, False) for write in _FULL_CHECKPOINT_WRITERS):
                 return None

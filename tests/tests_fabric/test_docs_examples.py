@@ -92,7 +92,9 @@ def _tail(stdout: str, stderr: str, limit: int = 4000) -> str:
 
 
 def test_docs_show_python_only_from_examples():
-    pages = sorted([*_DOCS.rglob("*.rst"), *_DOCS.rglob("*.md")])
+    # docs/source-fabric/core/ holds the fragments that the series writes into Lightning's own pages, whose examples
+    # are `code-block`s (Lightning's docs have no example scripts); they are not part of this project's docs build
+    pages = sorted(page for page in [*_DOCS.rglob("*.rst"), *_DOCS.rglob("*.md")] if "core" not in page.parts)
     offenders = []
     for page in pages:
         text = page.read_text(encoding="utf-8")
