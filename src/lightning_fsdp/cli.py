@@ -1,10 +1,10 @@
-"""The ``lightning-fsdp`` command: inspect a checkpoint, or convert it into a sharded checkpoint.
+"""The ``lightning-fsdp`` command: inspect a checkpoint, convert it into a sharded checkpoint, or consolidate one.
 
 Each command imports only what it needs, inside its own function: ``inspect`` reads a file's structure with torch and
 this package's readers, and never imports Lightning or torch's FSDP and distributed checkpoint modules, which take
 seconds to import.
 
-Upstream destination: a ``fabric`` CLI subcommand (``src/lightning/fabric/cli.py``), next to ``fabric consolidate``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import argparse
@@ -26,7 +26,9 @@ examples:
   lightning-fsdp inspect lit-llama.pth
   lightning-fsdp inspect checkpoints/Llama-2-7b-hf --json
   lightning-fsdp convert lit-llama.pth lit-llama-sharded/
-      then, in the training script: fabric.load("lit-llama-sharded/", {"model": model})"""
+      then, in the training script: fabric.load("lit-llama-sharded/", {"model": model})
+  lightning-fsdp convert checkpoints/step-1000/ step-1000.ckpt
+      a sharded (distributed) checkpoint directory into one torch.save file, one tensor at a time"""
 
 #: The exit code of a process killed by ``SIGPIPE`` (128 + 13), as shells report it for ``yes | head -1``.
 _EXIT_BROKEN_PIPE = 141
@@ -120,13 +122,20 @@ def _parser() -> argparse.ArgumentParser:
 
     convert = commands.add_parser(
         "convert",
-        help="write a sharded checkpoint that fabric.load reads shard by shard",
+        help="write a sharded checkpoint that fabric.load reads shard by shard, or consolidate one into a file",
         description="Convert a checkpoint (any format `inspect` reads) into a sharded (torch distributed) checkpoint"
         " directory, tensor by tensor and in row chunks, so that memory stays near the largest chunk. Load the"
-        " result with `fabric.load(OUT, {KEY: model})`. A Fabric checkpoint's optimizer state is not converted.",
+        " result with `fabric.load(OUT, {KEY: model})`. A Fabric checkpoint's optimizer state is not converted."
+        " A sharded checkpoint directory (one with a `.metadata` file, as `fabric.save` writes it) is converted the"
+        " other way: into the one `torch.save` file that Lightning's `consolidate_checkpoint` writes, optimizer"
+        " state included, one tensor at a time (`--key` and `--chunk-mb` do not apply).",
     )
     convert.add_argument("path", help="the checkpoint to convert")
-    convert.add_argument("output", help="the directory to write (must not exist, or be empty)")
+    convert.add_argument(
+        "output",
+        help="the directory to write (must not exist, or be empty); for a sharded PATH, the file to write (must not"
+        " exist)",
+    )
     convert.add_argument("--key", default="model", help="the key of the module's state (default: %(default)s)")
     convert.add_argument(
         "--chunk-mb",
@@ -181,9 +190,12 @@ def _convert(args: argparse.Namespace) -> int:
 
     from lightning_fsdp.loading.convert import convert_checkpoint, describe_checkpoint
     from lightning_fsdp.loading.errors import printable
+    from lightning_fsdp.loading.formats import CheckpointFormat
 
     summary = describe_checkpoint(args.path, weights_only=not args.unsafe_unpickle)
     show = not args.no_progress and sys.stderr.isatty()
+    if summary.format == CheckpointFormat.FABRIC_SHARDED.value:
+        return _consolidate(args, summary.tensor_bytes, show)
     with tqdm(
         total=summary.tensor_bytes, unit="B", unit_scale=True, desc="converting", disable=not show, file=sys.stderr
     ) as bar:
@@ -206,6 +218,28 @@ def _convert(args: argparse.Namespace) -> int:
             "not converted (tensors other than the module's, e.g. optimizer state):"
             f" {', '.join(map(printable, result.skipped_keys))}"
         )
+    return 0
+
+
+def _consolidate(args: argparse.Namespace, tensor_bytes: int, show: bool) -> int:
+    from tqdm import tqdm
+
+    from lightning_fsdp.loading.errors import printable
+    from lightning_fsdp.saving.offline import consolidate_sharded_checkpoint
+
+    with tqdm(
+        total=tensor_bytes, unit="B", unit_scale=True, desc="consolidating", disable=not show, file=sys.stderr
+    ) as bar:
+        result = consolidate_sharded_checkpoint(
+            args.path, args.output, weights_only=not args.unsafe_unpickle, on_bytes=bar.update
+        )
+    print(
+        f"wrote {result.output}: {result.tensors} tensors, {_size(result.tensor_bytes)} (the largest"
+        f" {_size(result.largest_tensor_bytes)}), and {len(result.objects)} other entries; load it with"
+        f" torch.load({result.output!r}) or fabric.load({result.output!r}, state)"
+    )
+    if result.metadata_keys:
+        print(f"from meta.pt: {', '.join(map(printable, result.metadata_keys))}")
     return 0
 
 

@@ -19,6 +19,7 @@ from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.cli import main
 from tests.tests_fabric.helpers.checkpoints import FORMATS, write_bad_inputs, write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
+from tests.tests_fabric.helpers.memory import PEAK_GROWTH
 from tests.tests_fabric.helpers.models import Block, TinyTransformer
 from tests.tests_fabric.helpers.runif import RunIf
 from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
@@ -249,34 +250,22 @@ def test_converted_checkpoints_load_bit_exact_cuda(tmp_path, state_dict):
     assert results == [len(outputs)] * 2
 
 
-_MEASURE = """
-import sys, threading, time
+_MEASURE = (
+    """
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint  # convert imports it on first use: the baseline's, not the conversion's memory
 from lightning_fsdp.loading.convert import convert_checkpoint
-
-def resident_kib():
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 // 1024
-
-def peak_growth(work):
-    before, peak, done = resident_kib(), [0], threading.Event()
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], resident_kib())
-            time.sleep(0.001)
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    result = work()
-    done.set()
-    sampler.join()
-    return max(peak[0], resident_kib()) - before, result
-
+"""
+    + PEAK_GROWTH
+    + """
 convert, _ = peak_growth(lambda: convert_checkpoint(sys.argv[1], sys.argv[2]))
 whole, state = peak_growth(lambda: {k: v.clone() for k, v in torch.load(sys.argv[3], weights_only=True).items()})
 print(convert, whole)
 """
+)
 
 
 @RunIf(linux_only=True)

@@ -7,7 +7,7 @@ output is a torch distributed checkpoint directory with a ``meta.pt``,
 which ``fabric.load(path, {"model": model})`` reads shard by shard; each chunk holds a range of rows, so a rank reads
 only the chunks that overlap its shard.
 
-Upstream destination: ``src/lightning/fabric/utilities/consolidate_checkpoint.py`` (its inverse) and the CLI.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import dataclasses
@@ -143,7 +143,13 @@ def convert_checkpoint(
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise CheckpointLoadError(f"The output {str(output)!r} exists and is not an empty directory: choose another.")
     detected = detect_checkpoint(source)
-    if detected.format in (CheckpointFormat.FABRIC_SHARDED, CheckpointFormat.SAFETENSORS_SHARDS):
+    if detected.format is CheckpointFormat.FABRIC_SHARDED:
+        raise CheckpointLoadError(
+            f"{str(detected.path)!r} is a sharded checkpoint already: there is nothing to do. To consolidate it into"
+            " one file, call `lightning_fsdp.saving.offline.consolidate_sharded_checkpoint` (what"
+            " `lightning-fsdp convert DIRECTORY FILE` runs)."
+        )
+    if detected.format is CheckpointFormat.SAFETENSORS_SHARDS:
         raise CheckpointLoadError(f"{str(detected.path)!r} is a sharded checkpoint already: there is nothing to do.")
     opened = open_checkpoint(detected, module_key, weights_only, verify_crc=True)
     try:
