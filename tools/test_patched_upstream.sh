@@ -8,9 +8,9 @@
 # About 3 minutes on 2 cores. tools/test_series.sh runs the same after each PR.
 #
 # Lightning comes from a git repository holding the pinned commit: $LIGHTNING_GIT_DIR, else the local mirror, else a
-# clone from GitHub; with none of them the check says so and is skipped (REQUIRE_LIGHTNING_SOURCE=1: fails). Not the
-# release's sdist: it has no tests, and 2.6 lacks master's changes the core builds on (FSDP
-# on CPU passes `device_id=None` there, #21774; remote loading, #21775).
+# clone from GitHub; with none of them the check says so and is skipped (REQUIRE_LIGHTNING_SOURCE=1: fails). Lightning's
+# tests come from master because the release's sdist has none; tools/test_core_on_sdist.sh, run after this one, proves
+# the series on that sdist with the core's own tests.
 # Usage: tools/test_patched_upstream.sh [PYTHON]   (default: .venv/bin/python)
 set -euo pipefail
 cd "$(dirname "$0")/.."

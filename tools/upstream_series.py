@@ -10,7 +10,9 @@ statement-level edits of master's methods (located with ``ast``; a missing ancho
 functions (with the module-level helpers and fixtures they use) into Lightning's test files, inserts the docs
 fragments into Lightning's pages and the CHANGELOG line under its heading, then runs ``ruff check --fix --select
 I,F401`` and ``ruff format`` with the tree's own configuration, and checks the result with ``ruff check --select F``.
-It prints the lines each PR changes. ``--only N`` stops after PR N.
+It prints the lines each PR changes. ``--only N`` stops after PR N. A tree without ``tests/`` (an unpacked sdist) gets
+the source changes, and the CHANGELOG and docs where they exist; its test edits and carried tests are skipped, and
+one note says so.
 """
 
 import argparse
@@ -327,11 +329,15 @@ def apply_pr(tree: Path, pr: dict, manifest: dict, config: Path, ruff: str) -> d
         return targets.setdefault(relative, Target(tree / relative))
 
     renames = manifest["renames"]
+    # an unpacked sdist has no tests: its test edits and carried tests are skipped (`main` says so once)
+    has_tests = (tree / "tests").is_dir()
     for entry in pr.get("definitions", []):
         source = core(entry["core"])
         dest = target(manifest["destinations"][entry["core"]])
         copy_definitions(source, entry["names"], dest, renames, after=entry.get("after"))
     for edit in pr.get("edits", []):
+        if not has_tests and edit["file"].startswith("tests/"):
+            continue
         dest = target(edit["file"])
         try:
             dest.edit(edit.get("function", ""), edit["statement"], edit.get("action", "replace"), edit.get("code", ""))
@@ -341,7 +347,7 @@ def apply_pr(tree: Path, pr: dict, manifest: dict, config: Path, ruff: str) -> d
             print(f"  note: optional edit skipped: {error}")
             continue
         dest.add_imports(edit.get("imports", []))
-    for entry in pr.get("tests", []):
+    for entry in pr.get("tests", []) if has_tests else []:
         dest_path = tree / manifest["destinations"][entry["core"]]
         if not dest_path.parent.is_dir():
             print(f"  note: {dest_path.parent} absent, tests of {entry['core']} not carried")
@@ -482,6 +488,13 @@ def main(argv: list[str] | None = None) -> int:
             raise SeriesError(f"{tree} has uncommitted changes: the series starts from a clean checkout")
         git(tree, "checkout", "-q", "-b", args.series)
     prs = manifest["pr"][: args.only or None]
+    if not (tree / "tests").is_dir():
+        skipped = sum(1 for pr in prs for e in pr.get("edits", []) if e["file"].startswith("tests/"))
+        carried = sum(len(e["names"]) for pr in prs for e in pr.get("tests", []))
+        print(
+            f"note: {tree} has no tests/ (an unpacked sdist?): {skipped} test edit(s) and {carried} carried test(s)"
+            " of the series skipped; the source changes, the CHANGELOG and the docs are written where their files exist"
+        )
     print(f"{'PR':<4}{'key':<8}{'src':>12}{'tests':>12}{'docs':>12}  title")
     for number, pr in enumerate(prs, 1):
         files = files_of(pr, manifest)

@@ -62,6 +62,25 @@ def test_series_applies_to_pinned_master(tmp_path, capsys):
     assert all("/pull/XXXXX)" in pr["changelog"][1] for pr in MANIFEST["pr"])
 
 
+def test_apply_to_a_tree_without_tests_skips_the_test_edits_with_one_note(tmp_path, capsys):
+    """An unpacked sdist has no ``tests/``: the source changes are written, the test edits skipped and said so once."""
+    if not _mirror_has_pinned_master():
+        pytest.skip(f"no git repository of Lightning holding master {PINNED[:8]} at {MIRROR} (set LIGHTNING_GIT_DIR)")
+    tree = tmp_path / "lightning"
+    series.checkout(f"{MIRROR}@{PINNED}", tree)
+    shutil.rmtree(tree / "tests")
+    assert series.main([str(tree), "--apply"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("has no tests/") == 1, out
+    edits = sum(edit["file"].startswith("tests/") for pr in MANIFEST["pr"] for edit in pr.get("edits", []))
+    carried = sum(len(entry["names"]) for pr in MANIFEST["pr"] for entry in pr.get("tests", []))
+    assert f"{edits} test edit(s) and {carried} carried test(s) of the series skipped" in out
+    assert not (tree / "tests").exists()
+    changed = set(series.git(tree, "diff", "--name-only", "--diff-filter=d").split())  # tests/ itself deleted above
+    assert "src/lightning/fabric/utilities/load.py" in changed
+    assert MANIFEST["changelog"] in changed
+
+
 def test_edit_with_a_missing_anchor_fails_loudly(tmp_path):
     path = tmp_path / "module.py"
     path.write_text("class A:\n    def f(self):\n        x = 1\n        return x\n")
