@@ -146,11 +146,13 @@ def _install_excepthook() -> None:
         if rank is None:
             previous(kind, error, traceback)
             return
-        print(
+        # One write with its newline: with unbuffered output (`PYTHONUNBUFFERED`, `python -u`) `print` writes the
+        # text and the newline apart, and another rank's output to the same terminal can land between them.
+        sys.stderr.write(
             f"[rank{rank}]: {kind.__name__}: the same error as local rank 0 prints (set {ERRORS_ON_EVERY_RANK_ENV}=1"
-            " to print it on every rank)",
-            file=sys.stderr,
+            " to print it on every rank)\n"
         )
+        sys.stderr.flush()
 
     hook._prints_checkpoint_load_errors_once = True  # type: ignore[attr-defined]
     sys.excepthook = hook
