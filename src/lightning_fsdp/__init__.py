@@ -51,8 +51,6 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(import_module(module), name)
-    if name in ("FSDPStrategy", "ModelParallelStrategy"):
-        import_module("lightning_fsdp.saving")  # the extension that saves full checkpoints without a gather
     globals()[name] = value  # later look-ups find it without calling this again
     return value
 

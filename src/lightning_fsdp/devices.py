@@ -22,8 +22,7 @@ slot or a physical GPU; and after ``setup_module``, that no parameter or buffer 
 :class:`lightning_fsdp.FSDPStrategy` (FSDP1) and :class:`lightning_fsdp.ModelParallelStrategy` (FSDP2, tensor
 parallelism) run them; the messages name the strategy that refused.
 
-Upstream destination: the checks are not FSDP-specific, they would go to
-``src/lightning/fabric/strategies/parallel.py`` (called from every ``ParallelStrategy.setup_environment``).
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import itertools

@@ -3,8 +3,7 @@
 :class:`lightning_fsdp.FSDPStrategy` (FSDP1) and :class:`lightning_fsdp.ModelParallelStrategy` (FSDP2) check their
 arguments as their upstream classes do, then both call :func:`load_into_state`.
 
-Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level helpers), which
-``model_parallel.py`` imports from already.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 from collections.abc import Iterator, Mapping

@@ -13,7 +13,7 @@
 # limitations under the License.
 """Fabric's ``ModelParallelStrategy`` (FSDP2, tensor parallelism), loading full checkpoints shard-locally.
 
-Upstream destination: ``src/lightning/fabric/strategies/model_parallel.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 from collections.abc import Callable, Iterator
@@ -52,7 +52,6 @@ from lightning_fsdp.loading_calls import (
     load_request,
     raise_if_path_refused,
 )
-from lightning_fsdp.strategy import _FULL_CHECKPOINT_WRITERS
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -167,7 +166,6 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
         return module
 
     @override
-    @override
     def save_checkpoint(
         self,
         path: _PATH,
@@ -177,16 +175,18 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
     ) -> None:
         """Save model, optimizer, and other state; see upstream's method.
 
-        A full checkpoint (``save_distributed_checkpoint=False``) is handed to the registered writers that need no
-        gather (an extension that writes it from every rank); where none writes it, the gather on rank 0 runs.
+        A full checkpoint (``save_distributed_checkpoint=False``) is written by every rank, each its own slices,
+        without a gather (:func:`lightning_fsdp.saving.save_full_checkpoint`); where that cannot serve the state,
+        upstream's gather on rank 0 runs.
 
         """
-        if not self._save_distributed_checkpoint and storage_options is None and _FULL_CHECKPOINT_WRITERS:
+        if not self._save_distributed_checkpoint and storage_options is None:
             modules = [obj for obj in state.values() if isinstance(obj, Module) and has_dtensor_params(obj)]
-            if len(modules) == 1 and any(
-                write(self, path, state, filter, modules[0], True) for write in _FULL_CHECKPOINT_WRITERS
-            ):
-                return
+            if len(modules) == 1:
+                from lightning_fsdp.saving import save_full_checkpoint
+
+                if save_full_checkpoint(self, path, state, filter, modules[0], fsdp2=True):
+                    return
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override

@@ -6,7 +6,7 @@ Downstream code (litgpt, user scripts) writes ``from lightning.fabric.strategies
 imported, and ``Fabric(accelerator="cpu", strategy="fsdp")`` is accepted as it is with this package's class. Nothing
 changes for code that never constructs the class, and :func:`disable` restores upstream exactly.
 
-Upstream destination: none; once the strategy is upstream, this module is no longer needed.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import inspect
@@ -20,7 +20,6 @@ from lightning.fabric.strategies import FSDPStrategy as _UpstreamFSDPStrategy
 from lightning.fabric.strategies import ModelParallelStrategy as _UpstreamModelParallelStrategy
 from lightning.fabric.strategies.fsdp import _FSDP_ALIASES
 
-import lightning_fsdp.saving  # noqa: F401  (registers the gather-free full save with both strategies)
 from lightning_fsdp.model_parallel import ModelParallelStrategy
 from lightning_fsdp.strategy import FSDPStrategy
 

@@ -13,7 +13,7 @@
 # limitations under the License.
 """Fabric's ``FSDPStrategy``, extended to run on CPU and to load large checkpoints safely.
 
-Upstream destination: ``src/lightning/fabric/strategies/fsdp.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 from collections.abc import Callable, Iterator
@@ -62,12 +62,6 @@ if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
-
-
-#: Writers of a full checkpoint that need no gather on rank 0, tried in order by ``save_checkpoint`` of both strategies:
-#: ``write(strategy, path, state, filter, module, fsdp2) -> bool`` returns whether it wrote the file. An extension
-#: registers one; without one, or when each declines, the full save gathers on rank 0 as before.
-_FULL_CHECKPOINT_WRITERS: list[Callable[..., bool]] = []
 
 
 class FSDPStrategy(_CoreFSDPStrategy):
@@ -211,20 +205,18 @@ class FSDPStrategy(_CoreFSDPStrategy):
     ) -> None:
         """Save model, optimizer, and other state to a checkpoint on disk.
 
-        See :meth:`lightning.fabric.strategies.FSDPStrategy.save_checkpoint`, which this calls in every case but
-        one: a full checkpoint (``state_dict_type="full"``) of a strategy set up on CPU is assembled on rank 0
-        without CPU offloading, because on a CPU model FSDP's offload returns views of storage it frees right after,
-        which crashes.
+        See :meth:`lightning.fabric.strategies.FSDPStrategy.save_checkpoint`. A full checkpoint
+        (``state_dict_type="full"``) is written by every rank, each its own slices, without a gather
+        (:func:`lightning_fsdp.saving.save_full_checkpoint`); where that cannot serve the state, and for a sharded
+        checkpoint, this calls upstream's method, except for a full checkpoint of a strategy set up on CPU: it is
+        assembled on rank 0 without CPU offloading, because on a CPU model FSDP's offload returns views of storage it
+        frees right after, which crashes.
 
         """
-        if (
-            self._state_dict_type == "full"
-            and storage_options is None
-            and self.parallel_devices is not None
-            and _FULL_CHECKPOINT_WRITERS
-        ):
-            module = _single_fsdp_module(state, saving=True)
-            if any(write(self, path, state, filter, module, False) for write in _FULL_CHECKPOINT_WRITERS):
+        if self._state_dict_type == "full" and storage_options is None and self.parallel_devices is not None:
+            from lightning_fsdp.saving import save_full_checkpoint
+
+            if save_full_checkpoint(self, path, state, filter, _single_fsdp_module(state, saving=True), fsdp2=False):
                 return None
         if self._state_dict_type != "full" or not self._set_up_on_cpu():
             with torch_internal_warnings_silenced():

@@ -2,7 +2,8 @@
 
 ``state_dict_type="full"`` makes ``fabric.save`` write one ``torch.save`` file, the one Lightning's full save writes.
 Here no rank gathers the model or the optimizer state: each writes its slices at their place in the file. The same
-model's weights are then exported as one ``.safetensors`` file, written the same way.
+model's weights are then exported as one ``.safetensors`` file, and as a Hugging Face checkpoint (shards and
+``model.safetensors.index.json``, as ``save_pretrained`` writes them), written the same way.
 
 Run it with ``python save_full_checkpoint.py``: Fabric launches the second process itself. It needs no GPU.
 """
@@ -11,8 +12,10 @@ Run it with ``python save_full_checkpoint.py``: Fabric launches the second proce
 # expect: saved checkpoints/full.ckpt from 2 ranks, no gather
 # expect: torch.load reads model, optimizer and step
 # expect: safetensors holds the model's 10 tensors
+# expect: the index maps 10 tensors to 3 shards
 
 import gc
+import json
 from pathlib import Path
 
 import torch
@@ -59,6 +62,11 @@ def main() -> None:
         from safetensors.torch import load_file
 
         fabric.print(f"safetensors holds the model's {len(load_file('checkpoints/model.safetensors'))} tensors")
+
+    save_safetensors(fabric, "checkpoints/exported", model, max_shard_size="10KB")  # a directory
+    if fabric.global_rank == 0:
+        weight_map = json.loads(Path("checkpoints/exported/model.safetensors.index.json").read_text())["weight_map"]
+        fabric.print(f"the index maps {len(weight_map)} tensors to {len(set(weight_map.values()))} shards")
 
 
 if __name__ == "__main__":

@@ -66,22 +66,12 @@ class FSDPStrategy(_FSDPStrategy):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        if not state or isinstance(state, Optimizer):
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        path = self.broadcast(path)
-        if not _is_checkpoint_file(path):
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        if isinstance(state, Module):
-            state, module_key = {"model": state}, "model"
-            _load_full_checkpoint(path, state, module_key, strict, weights_only, self.local_rank, self.num_processes)
-            return {}
-        modules = [key for key, value in state.items() if _has_fsdp_modules(value)]
-        if len(modules) != 1:
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        # a full checkpoint may hold any object; safetensors files and indexes hold tensors only
-        if weights_only is None and not _is_raw_checkpoint_file(path):
-            weights_only = False
-        return _load_full_checkpoint(path, state, modules[0], strict, weights_only, self.local_rank, self.num_processes)
+        if state:
+            path = self.broadcast(path)
+            metadata = _load_full_checkpoint(path, state, strict, weights_only, self.local_rank, self.num_processes)
+            if metadata is not None:
+                return metadata
+        return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 
 def _is_checkpoint_file(path: _PATH) -> bool:
@@ -98,39 +88,61 @@ def _own_device_context(device: torch.device) -> AbstractContextManager:
 
 def _load_full_checkpoint(
     path: _PATH,
-    state: dict[str, Any],
-    module_key: str,
+    state: Union[Module, Optimizer, dict[str, Any]],
     strict: bool,
     weights_only: Optional[bool],
     local_rank: int,
     local_world_size: int,
+    has_sharded_modules: Callable[[object], bool] = _has_fsdp_modules,
     load_module_state: Optional[Callable[[Mapping[str, Any], Module, bool], None]] = None,
     local_optimizer_state: Optional[Callable[[Mapping[str, Any], Module, Optimizer], dict[str, Any]]] = None,
-) -> dict[str, Any]:
+) -> Optional[dict[str, Any]]:
     """Load a full checkpoint or a raw module state dict into ``state``, each rank copying only its own shards.
 
     A file that can be read lazily (a zip-format ``torch.save`` file, safetensors, a Hugging Face index) is opened on
     every rank at once; one that has to be read whole (the legacy ``torch.save`` format, a file in object storage) is
-    read by one rank of a node at a time, so that a node never holds more than one copy.
+    read by one rank of a node at a time, so that a node never holds more than one copy. The ranks wait for each other
+    in collectives of the default process group, so a rank that dies or hangs meanwhile makes the others wait until
+    the group's timeout (the strategy's ``timeout``, 30 minutes by default).
 
     Args:
-        path: The checkpoint file, or a Hugging Face index (or its folder).
-        state: The objects to restore; ``state[module_key]`` is the model.
-        module_key: The key of the model in ``state`` and in the checkpoint; a checkpoint without it (or not a
-            mapping there) is the model's raw state dict.
+        path: The checkpoint file, or a Hugging Face index (or its folder); the same on every rank.
+        state: The model (``fabric.load_raw``), or the objects to restore (``fabric.load``).
         strict: Whether names must match exactly and every requested key must be in the checkpoint.
-        weights_only: Passed to :func:`torch.load`.
+        weights_only: Passed to :func:`torch.load`. ``None`` unpickles any object of a full checkpoint, as
+            ``_lazy_load`` does; safetensors files and indexes hold tensors only.
         local_rank: The rank's index on its node.
         local_world_size: The number of ranks on the node.
+        has_sharded_modules: Whether an object of ``state`` is the sharded model.
         load_module_state: Copies the rank's part of a full state dict into the model; FSDP's flat parameters by
             default (:func:`_load_fsdp_module_state`).
         local_optimizer_state: The rank's part of a full optimizer state, as ``optimizer.load_state_dict`` takes it;
             for FSDP's flat parameters by default (:func:`_local_optimizer_state`).
 
+    Returns:
+        The checkpoint's entries that ``state`` did not ask for (``{}`` for a model alone), or ``None`` if ``path``
+        is not a checkpoint file or ``state`` does not hold exactly one sharded model: the caller loads it otherwise.
+
     """
+    if isinstance(state, Optimizer) or not _is_checkpoint_file(path):
+        return None
+    # a safetensors file or a Hugging Face index holds a module state dict and nothing else
+    raw_file = _is_raw_checkpoint_file(path)
+    load_raw = isinstance(state, Module)
+    if load_raw:
+        state, module_key = {"model": state}, "model"
+    else:
+        modules = [key for key, value in state.items() if has_sharded_modules(value)]
+        if len(modules) != 1:
+            return None
+        module_key = modules[0]
+        # a full checkpoint may hold any object; safetensors files and indexes hold tensors only
+        if weights_only is None and not raw_file:
+            weights_only = False
     load = partial(
         _load_full_checkpoint_into,
         path,
+        raw_file,
         state,
         module_key,
         strict,
@@ -139,11 +151,13 @@ def _load_full_checkpoint(
         local_optimizer_state or _local_optimizer_state,
     )
     # every rank runs the same collectives, whatever it found at the path
-    return _run_in_turn(load, turn=0 if _is_mmappable(path) else local_rank, turns=local_world_size)
+    metadata = _run_in_turn(load, turn=0 if _is_mmappable(path) else local_rank, turns=local_world_size)
+    return {} if load_raw else metadata
 
 
 def _load_full_checkpoint_into(
     path: _PATH,
+    raw_file: bool,
     state: dict[str, Any],
     module_key: str,
     strict: bool,
@@ -152,7 +166,7 @@ def _load_full_checkpoint_into(
     local_optimizer_state: Callable[[Mapping[str, Any], Module, Optimizer], dict[str, Any]],
 ) -> dict[str, Any]:
     checkpoint = _lazy_load_state_dict(path, weights_only=weights_only)
-    if _is_raw_checkpoint_file(path) or not isinstance(checkpoint.get(module_key), Mapping):
+    if raw_file or not isinstance(checkpoint.get(module_key), Mapping):
         # a raw module state dict (`torch.save(model.state_dict())`, safetensors, a Hugging Face checkpoint)
         checkpoint = {module_key: checkpoint}
     _validate_keys_for_strict_loading(state.keys() - {module_key}, checkpoint.keys(), strict=strict)
@@ -217,44 +231,72 @@ def _raise_on_all_ranks(error: Optional[BaseException]) -> None:
 
 
 class _Shard(NamedTuple):
-    """Where one tensor of the model lives on this rank (see :func:`_fsdp_shards`)."""
+    """Where one tensor of the model lives on this rank (see :func:`_fsdp_layout`)."""
 
     shape: torch.Size
-    local: Optional[Tensor]
+    local: Tensor
     start: int
+
+
+class _Piece(NamedTuple):
+    """Elements ``start:start + numel`` of the flattened tensor ``name``, at ``offset`` of a flat parameter."""
+
+    name: str
+    offset: int
+    numel: int
+    start: int
+
+
+class _FSDPLayout(NamedTuple):
+    """Which elements of which tensors of a full state dict this rank holds in an FSDP module."""
+
+    shards: dict[str, _Shard]
+    tied: dict[str, str]
+    pieces: dict[int, list[_Piece]]
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def _fsdp_shards(module: Module) -> tuple[dict[str, _Shard], dict[str, str]]:
-    """Where each tensor of the model lives on this rank, and the names of tied parameters' other occurrences.
+def _fsdp_layout(module: Module) -> _FSDPLayout:
+    """Where each tensor of the model lives on this rank, and what each parameter that an optimizer sees holds.
 
-    A parameter that FSDP flattened is written into the part of its unit's local shard that this rank holds (none when
-    it holds no element of it), from the element ``start`` of the flattened full parameter on; a tensor that FSDP does
-    not shard (a buffer, a parameter outside every unit) is written whole (``start=-1``).
+    ``shards`` maps each name of the model's state dict to its place on this rank: a parameter that FSDP flattened is
+    written into its part of the unit's local shard (``local``, empty when the rank holds no element of it), which
+    holds the elements from ``start`` on of the flattened full parameter; a tensor that FSDP does not shard (a buffer,
+    a parameter outside every unit) is written whole (``start=-1``). ``tied`` maps the other names of tied parameters
+    to the name in ``shards``. ``pieces`` maps each parameter (``id``: a ``FlatParameter``, an original parameter with
+    ``use_orig_params=True``, a parameter that FSDP does not shard) to the pieces of the named tensors it holds (every
+    tensor of a unit is listed, with ``numel=0`` where the rank holds no element of it).
 
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-    shards: dict[str, _Shard] = {}
-    tied: dict[str, str] = {}
+    layout = _FSDPLayout({}, {}, {})
     whole: dict[int, str] = {}
     for module_name, submodule in module.named_modules():
         prefix = clean_tensor_name(module_name)
         if isinstance(submodule, FullyShardedDataParallel) and submodule._handle is not None:
             flat_param = submodule._handle.flat_param
             local_shard = getattr(flat_param, "_local_shard", flat_param.data)
-            for fqn, shape, info in zip(flat_param._fqns, flat_param._shapes, flat_param._shard_param_infos):
-                local = None
+            pieces = []
+            orig_params = getattr(flat_param, "_params", None) or [None] * len(flat_param._fqns)
+            infos = zip(flat_param._fqns, flat_param._shapes, flat_param._shard_param_infos, orig_params)
+            for fqn, shape, info, param in infos:
+                name = _join(prefix, fqn)
+                piece = _Piece(name, 0, 0, 0)
                 if info.in_shard:
-                    local = local_shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
-                shards[_join(prefix, fqn)] = _Shard(shape, local, info.intra_param_start_idx if info.in_shard else 0)
+                    piece = _Piece(name, info.offset_in_shard, info.numel_in_shard, info.intra_param_start_idx)
+                pieces.append(piece)
+                layout.shards[name] = _Shard(shape, local_shard[piece.offset : piece.offset + piece.numel], piece.start)
+                if param is not None:
+                    layout.pieces[id(param)] = [piece._replace(offset=0)]
+            layout.pieces[id(flat_param)] = pieces
             for shared in flat_param._shared_param_infos:
                 primary = _join(prefix, _join(shared.prim_module_name, shared.prim_param_name))
-                tied[_join(prefix, _join(shared.module_name, shared.param_name))] = primary
+                layout.tied[_join(prefix, _join(shared.module_name, shared.param_name))] = primary
         tensors = list(submodule._parameters.items()) + [
             (name, buffer)
             for name, buffer in submodule._buffers.items()
@@ -265,11 +307,12 @@ def _fsdp_shards(module: Module) -> tuple[dict[str, _Shard], dict[str, str]]:
                 continue
             full_name = clean_tensor_name(_join(module_name, name))
             if id(tensor) in whole:
-                tied[full_name] = whole[id(tensor)]
-            else:
-                whole[id(tensor)] = full_name
-                shards[full_name] = _Shard(tensor.shape, tensor, -1)
-    return shards, tied
+                layout.tied[full_name] = whole[id(tensor)]
+                continue
+            whole[id(tensor)] = full_name
+            layout.shards[full_name] = _Shard(tensor.shape, tensor, -1)
+            layout.pieces[id(tensor)] = [_Piece(full_name, 0, tensor.numel(), 0)]
+    return layout
 
 
 def _load_fsdp_module_state(state_dict: Mapping[str, Any], module: Module, strict: bool = True) -> None:
@@ -279,7 +322,7 @@ def _load_fsdp_module_state(state_dict: Mapping[str, Any], module: Module, stric
     anything is written; with ``strict=False`` missing and unexpected names are skipped.
 
     """
-    shards, tied = _fsdp_shards(module)
+    shards, tied, _ = _fsdp_layout(module)
     missing = [name for name in [*shards, *tied] if name not in state_dict]
     unexpected = [name for name in state_dict if name not in shards and name not in tied]
     sources = {}
@@ -308,7 +351,7 @@ def _load_fsdp_module_state(state_dict: Mapping[str, Any], module: Module, stric
             shard = shards[name]
             if shard.start < 0:
                 shard.local.copy_(_read_flat(state_dict[source], 0, shard.local.numel()).view(shard.shape))
-            elif shard.local is not None:
+            elif shard.local.numel():
                 shard.local.copy_(_read_flat(state_dict[source], shard.start, shard.start + shard.local.numel()))
 
 
@@ -319,42 +362,20 @@ def _local_optimizer_state(optimizer_state: Mapping[str, Any], module: Module, o
     scalar states (``step``) and the parameter groups' hyperparameters are taken as they are.
 
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-    shards, _ = _fsdp_shards(module)
+    pieces = _fsdp_layout(module).pieces
     saved_state, saved_groups = optimizer_state["state"], optimizer_state["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
             f"The checkpoint's optimizer has {len(saved_groups)} parameter groups, the optimizer has"
             f" {len(optimizer.param_groups)}. Create the optimizer with the same groups as the one that was saved."
         )
-    # each parameter's pieces: (name, offset in its flat local state, number of elements, start in the full tensor)
-    pieces: dict[int, list[tuple[str, int, int, int]]] = {}
-    for module_name, submodule in module.named_modules():
-        if not isinstance(submodule, FullyShardedDataParallel) or submodule._handle is None:
-            continue
-        flat_param = submodule._handle.flat_param
-        prefix = clean_tensor_name(module_name)
-        held = [(_join(prefix, fqn), info) for fqn, info in zip(flat_param._fqns, flat_param._shard_param_infos)]
-        pieces[id(flat_param)] = [
-            (name, info.offset_in_shard, info.numel_in_shard, info.intra_param_start_idx)
-            for name, info in held
-            if info.in_shard
-        ]
-        for (name, info), param in zip(held, getattr(flat_param, "_params", None) or []):
-            pieces[id(param)] = [(name, 0, info.numel_in_shard, info.intra_param_start_idx)] if info.in_shard else []
-    whole = {id(shard.local): name for name, shard in shards.items() if shard.start < 0}
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
     for saved_group, group in zip(saved_groups, optimizer.param_groups):
         indices = []
         for param in group["params"]:
-            param_pieces = pieces.get(id(param))
-            if param_pieces is None:  # a parameter that FSDP does not shard
-                param_pieces = [(whole[id(param)], 0, param.numel(), 0)]
-            param_state = _local_param_state(saved_state, param, param_pieces)
+            param_state = _local_param_state(saved_state, param, pieces[id(param)])
             if param_state:
                 state[index] = param_state
             indices.append(index)
@@ -363,12 +384,12 @@ def _local_optimizer_state(optimizer_state: Mapping[str, Any], module: Module, o
     return {"state": state, "param_groups": groups}
 
 
-def _local_param_state(
-    saved_state: Mapping[str, Any], param: Tensor, pieces: list[tuple[str, int, int, int]]
-) -> dict[str, Any]:
+def _local_param_state(saved_state: Mapping[str, Any], param: Tensor, pieces: list[_Piece]) -> dict[str, Any]:
     """The state of one parameter of the optimizer, assembled from the slices of the names it holds."""
     local: dict[str, Any] = {}
     for name, offset, numel, start in pieces:
+        if not numel:
+            continue
         for key, value in saved_state.get(name, {}).items():
             if not isinstance(value, Tensor) or value.dim() == 0:
                 local.setdefault(key, _materialized(value))

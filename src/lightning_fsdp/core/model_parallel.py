@@ -31,12 +31,8 @@ from lightning.fabric.strategies import ModelParallelStrategy as _ModelParallelS
 from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
 from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_5
 from lightning.fabric.utilities.types import _PATH
-from lightning_fsdp.core.fsdp import _is_checkpoint_file, _load_full_checkpoint, _materialized, _own_device_context
-from lightning_fsdp.core.load import (
-    _is_raw_checkpoint_file,
-    _read_box,
-    _shape_of,
-)
+from lightning_fsdp.core.fsdp import _load_full_checkpoint, _materialized, _own_device_context
+from lightning_fsdp.core.load import _read_box, _shape_of
 
 
 class ModelParallelStrategy(_ModelParallelStrategy):
@@ -57,34 +53,22 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        if not state or isinstance(state, Optimizer):
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        path = self.broadcast(path)
-        if not _is_checkpoint_file(path):
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        load_raw = isinstance(state, Module)
-        if load_raw:
-            state, module_key = {"model": state}, "model"
-        else:
-            modules = [key for key, value in state.items() if _has_dtensor_modules(value)]
-            if len(modules) != 1:
-                return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-            module_key = modules[0]
-            # a full checkpoint may hold any object; safetensors files and indexes hold tensors only
-            if weights_only is None and not _is_raw_checkpoint_file(path):
-                weights_only = False
-        metadata = _load_full_checkpoint(
-            path,
-            state,
-            module_key,
-            strict,
-            weights_only,
-            self.local_rank,
-            self.num_processes,
-            load_module_state=_load_dtensor_module_state,
-            local_optimizer_state=_local_dtensor_optimizer_state,
-        )
-        return {} if load_raw else metadata
+        if state:
+            path = self.broadcast(path)
+            metadata = _load_full_checkpoint(
+                path,
+                state,
+                strict,
+                weights_only,
+                self.local_rank,
+                self.num_processes,
+                _has_dtensor_modules,
+                _load_dtensor_module_state,
+                _local_dtensor_optimizer_state,
+            )
+            if metadata is not None:
+                return metadata
+        return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 
 def _load_dtensor_module_state(state_dict: Mapping[str, Any], module: Module, strict: bool = True) -> None:

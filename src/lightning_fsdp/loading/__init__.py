@@ -1,5 +1,5 @@
 """Checkpoint layouts and formats, shard-local copy into FSDP units, and the rank-staggered turn schedule.
 
-This package knows torch and FSDP, but not Fabric: the strategy calls it. Upstream destination:
-``src/lightning/fabric/utilities/load.py`` and the FSDP-specific parts of ``src/lightning/fabric/strategies/fsdp.py``.
+This package knows torch and FSDP, but not Fabric: the strategy calls it. Layer: an extension of the package
+(docs/source-fabric/upstream.rst), built on the core's layouts (``lightning_fsdp.core``), not part of the core.
 """

@@ -13,7 +13,7 @@ each expert one contiguous block; concatenating along a later dimension gives st
 ``Transpose`` moved is read whole, once per range that needs it, and transposed in memory: the declared conversions of
 the Mixture-of-Experts families use none.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import bisect

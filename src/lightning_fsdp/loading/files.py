@@ -9,7 +9,7 @@ These functions are the one way the readers open and read a path. A path on othe
 (an object in object storage) is a :class:`StoragePath`, which opens itself as a :class:`StorageFile`: the readers
 ask it for the same byte ranges as a local file, through the same functions.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import os

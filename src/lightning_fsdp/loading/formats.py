@@ -5,7 +5,7 @@ loading, inspecting and converting a checkpoint. With ``weights_only=True`` ever
 proven byte ranges (:mod:`~lightning_fsdp.loading.sources`); a file the caller trusts (``weights_only=False``) may
 hold any object and is read whole by ``torch.load``.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import itertools

@@ -4,16 +4,19 @@ FSDP2 (``fully_shard``) and tensor parallelism replace each parameter with a ``D
 and, per dimension of the device mesh, a placement. ``Shard(dim)`` splits a tensor dimension into chunks like
 :func:`torch.chunk`, the last ones smaller or empty; ``Replicate()`` keeps it whole; ``_StridedShard(dim,
 split_factor)`` is what ``fully_shard`` gives a dimension that tensor parallelism already shards (FSDP x TP on a 2-D
-mesh): the rank holds its chunk of each of ``split_factor`` consecutive parts of the dimension. Layouts built of
-these are served shard-locally (FSDP, HSDP, tensor parallelism alone, FSDP x TP, uneven and empty shards): per
-dimension the local tensor holds a few ranges of global indices, so its elements are runs of the flattened
-checkpoint tensor (one per range of rows when only dimension 0 is sharded, one per row and range of columns when
-dimension 1 is) that every source format reads alike. Optimizer states are ``DTensor`` objects with the parameter's
-mesh and placements. Other placements (``Partial``), a ``_StridedShard`` layout that torch itself reads in two ways
-(uneven sizes when FSDP shards over three or more ranks: :func:`ambiguous_strided_dim`), and a local tensor that is
-not contiguous or not of the shape its placements give make the loader fall back to upstream's path.
+mesh): the rank holds its chunk of each of ``split_factor`` consecutive parts of the dimension. A tensor of
+``Shard``/``Replicate`` placements holds a box of the full tensor, which the core computes with torch's own offsets
+(:func:`lightning_fsdp.core.model_parallel._local_tensor_and_box`); ``_StridedShard`` placements, which a box cannot
+always describe, are read here (:func:`local_indices`). Layouts built of these are served shard-locally (FSDP, HSDP,
+tensor parallelism alone, FSDP x TP, uneven and empty shards): per dimension the local tensor holds a few ranges of
+global indices, so its elements are runs of the flattened checkpoint tensor (one per range of rows when only dimension 0
+is sharded, one per row and range of columns when dimension 1 is) that every source format reads alike. Optimizer states
+are ``DTensor`` objects with the parameter's mesh and placements. Other placements (``Partial``), a ``_StridedShard``
+layout that torch itself reads in two ways (uneven sizes when FSDP shards over three or more ranks:
+:func:`ambiguous_strided_dim`), and a local tensor that is not contiguous or not of the shape its placements give make
+the loader fall back to upstream's path.
 
-Upstream destination: ``src/lightning/fabric/strategies/model_parallel.py`` (module-level helpers).
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import functools
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_fsdp.core.model_parallel import _local_tensor_and_box
 from lightning_fsdp.loading.shard_local import (
     ModuleTargets,
     OptimizerParam,
@@ -240,23 +244,32 @@ def _merged(ranges: list[range]) -> list[range]:
 
 
 def _dtensor_target(name: str, dtensor: Tensor, param: Tensor | None, collected: ModuleTargets) -> Target:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     assert isinstance(dtensor, DTensor)
     mesh = dtensor.device_mesh
     placements = tuple(dtensor.placements)
     coordinate = mesh.get_coordinate()
     shape = tuple(dtensor.shape)
-    indices = local_indices(shape, mesh.shape, coordinate, placements) if coordinate is not None else None
-    if indices is None:
-        raise ShardLocalUnsupported(f"the parameter {name!r} is a DTensor with placements {placements}")
-    ambiguous = ambiguous_strided_dim(shape, tuple(mesh.shape), placements)
-    if ambiguous is not None:
-        raise ShardLocalUnsupported(
-            f"the parameter {name!r} is a DTensor with placements {placements}, which torch reads in two ways for"
-            f" {shape[ambiguous]} indices of dimension {ambiguous} over the mesh {tuple(mesh.shape)}"
-        )
-    local = dtensor.to_local()
+    if coordinate is not None and all(type(placement) in (Replicate, Shard) for placement in placements):
+        # a box of the full tensor: the core's layout (torch's own offsets)
+        try:
+            local, box = _local_tensor_and_box(dtensor)
+        except NotImplementedError as error:
+            raise ShardLocalUnsupported(f"the parameter {name!r}: {error}") from None
+        indices = tuple([range(part.start, part.stop)] if part.stop > part.start else [] for part in box)
+    else:
+        # `_StridedShard` (FSDP over tensor-parallel shards of the same dimension): ranges per dimension
+        indices = local_indices(shape, mesh.shape, coordinate, placements) if coordinate is not None else None
+        if indices is None:
+            raise ShardLocalUnsupported(f"the parameter {name!r} is a DTensor with placements {placements}")
+        ambiguous = ambiguous_strided_dim(shape, tuple(mesh.shape), placements)
+        if ambiguous is not None:
+            raise ShardLocalUnsupported(
+                f"the parameter {name!r} is a DTensor with placements {placements}, which torch reads in two ways"
+                f" for {shape[ambiguous]} indices of dimension {ambiguous} over the mesh {tuple(mesh.shape)}"
+            )
+        local = dtensor.to_local()
     local_shape = tuple(_length(ranges) for ranges in indices)
     if tuple(local.shape) != local_shape or not local.is_contiguous():
         raise ShardLocalUnsupported(

@@ -5,7 +5,7 @@ info, the object, the storage keys) followed by each storage's element count and
 pickles come first, so the structure and every storage's offset are known after reading a few kilobytes; each count
 is checked against what the pickle says the storage holds, and every storage against the file's end.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import os

@@ -3,8 +3,7 @@
 This module knows torch and FSDP, not Fabric: the strategy passes plain modules, optimizers and key names, and gets
 back the metadata it restores into the user's state.
 
-Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the body of ``FSDPStrategy.load_checkpoint``) and
-``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 from collections.abc import Iterator, Mapping

@@ -28,10 +28,7 @@ load left uninitialised, and to advise re-tying a missing tied weight.
 
 It lives with the loading code because the loader reads its record; the strategies only create it.
 
-Upstream destination: ``src/lightning/fabric/utilities/checkpoint_loading/materialize.py``, used by
-``FSDPStrategy.setup_module`` in ``src/lightning/fabric/strategies/fsdp.py`` (its default ``param_init_fn``) and by
-``ModelParallelStrategy.setup_module`` in ``src/lightning/fabric/strategies/model_parallel.py`` (instead of
-``_materialize_distributed_module``).
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import sys

@@ -6,7 +6,7 @@ full shape. Each rank slices them exactly like the parameter, so the full optimi
 Everything else is restored as the optimizer holds it: scalar states (Adam's ``step``) and tensor hyperparameters of
 the parameter groups (``lr=torch.tensor(0.01)``) as tensors, never as the loader's lazy references.
 
-Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level helpers).
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 from collections.abc import Mapping

@@ -1,6 +1,6 @@
 """Progress of a long checkpoint load: one bar per node, on a terminal only.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import math

@@ -5,7 +5,7 @@ torch 2.13 warns, on every sharded save or load, that ``ShardedTensor``, ``FSDP.
 internals, none that a user can act on. They are filtered by category and message, only while one of our calls runs;
 the same warnings from the user's own code still show.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import warnings

@@ -27,7 +27,7 @@ socket buffers and one piece. fsspec's other file systems return a range's body 
 are :data:`CHUNK_BYTES` and a process holds at most :data:`MAX_IN_FLIGHT_BYTES` of them at once, whatever the number of
 chunks, readers and threads: fetching costs a bounded amount of memory, not one that grows with the requests in flight.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``, next to ``cloud_io``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import asyncio

@@ -5,7 +5,7 @@ byte range, and the tensors' bytes. The header is checked as the safetensors lib
 reader (loading, ``inspect`` and ``convert``): every name once, a known dtype, non-negative integer dimensions,
 ``dtype size x elements = bytes``, and byte ranges that cover the data exactly, in order, without gaps or overlaps.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import json

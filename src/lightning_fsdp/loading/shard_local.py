@@ -7,11 +7,12 @@ view), and for every parameter an optimizer sees an :class:`OptimizerParam` (how
 runs). The copy (:func:`copy_into_module`) and the optimizer slicing (:mod:`.optimizer`) know only this model.
 
 This module holds the model and the FSDP1 layout: FSDP (``FullyShardedDataParallel``) flattens the parameters of each
-wrapped unit into one ``FlatParameter`` and keeps a contiguous shard of it per rank; its ``_shard_param_infos`` say,
-for every original parameter, whether this rank holds part of it, where in the local shard, and which range of the
-flattened parameter. The FSDP2 (``fully_shard``, ``DTensor``) layout is in :mod:`.fsdp2_layout`.
+wrapped unit into one ``FlatParameter`` and keeps a contiguous shard of it per rank. Which elements of which tensor a
+rank holds is the core's answer (:func:`lightning_fsdp.core.fsdp._fsdp_layout`, from FSDP's ``_shard_param_infos``),
+which :func:`collect_targets` turns into targets. The FSDP2 (``fully_shard``, ``DTensor``) layout is in
+:mod:`.fsdp2_layout`.
 
-Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (module-level helpers).
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import math
@@ -22,6 +23,8 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_fsdp.core.fsdp import _fsdp_layout
+from lightning_fsdp.core.fsdp import _join as join
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.sources import TensorSource
 from lightning_fsdp.loading.validation import NamePlan, TargetSpec
@@ -154,28 +157,48 @@ class TargetCollector:
 def collect_targets(module: Module) -> ModuleTargets:
     """The FSDP1 layout: every tensor of ``module`` that a checkpoint fills, with the slice of it this rank holds.
 
+    The layout is the core's (:func:`lightning_fsdp.core.fsdp._fsdp_layout`), read from FSDP's ``_shard_param_infos``;
+    this adds the checks that let the loader fall back instead, and the targets and optimizer parameters of the copy.
+
     Raises:
         ShardLocalUnsupported: If a unit is unsharded right now or FSDP's flat parameters lack the metadata this
             path relies on (another torch release): the caller falls back to FSDP's own state-dict loading.
         CheckpointLoadError: If a tensor is still on the meta device (the module was not set up).
 
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._flat_param import FlatParameter
 
-    collector = TargetCollector()
-    for module_name, submodule in module.named_modules():
-        prefix = clean_name(module_name)  # without FSDP's and activation checkpointing's wrapper names
-        if isinstance(submodule, FullyShardedDataParallel) and submodule._handle is not None:
-            _add_flat_param_targets(submodule, prefix, collector)
-        for name, param in submodule._parameters.items():
-            if param is None or getattr(param, "_fsdp_flattened", False):
-                continue  # FSDP manages it through a flat parameter, handled above
-            full_name = clean_name(join(module_name, name))
-            if not collector.alias_of(param, full_name):
-                collector.add(whole_target(full_name, param, param, collector.collected), key=param)
-        add_buffers(collector, module_name, submodule)
-    collector.collected.check_materialized()
-    return collector.collected
+    _check_flat_params(module)
+    layout = _fsdp_layout(module)
+    collected = ModuleTargets()
+    targets: dict[str, Target] = {}
+    for name, shard in layout.shards.items():
+        if shard.start < 0:  # a tensor that FSDP does not shard: copied whole
+            target = Target([name], tuple(shard.shape), shard.local.dtype, tensor=shard.local)
+        else:
+            runs = [Run(shard.start, shard.local.numel(), 0)] if shard.local.numel() else []
+            target = Target([name], tuple(shard.shape), shard.local.dtype, local=shard.local, runs=runs)
+        targets[name] = target
+        collected.targets.append(target)
+    for alias, primary in layout.tied.items():
+        if primary not in targets:
+            raise ShardLocalUnsupported(f"the tied parameter {primary!r} was not found in its FSDP unit")
+        targets[primary].names.append(alias)
+    for param in module.parameters():
+        pieces = layout.pieces.get(id(param))
+        if pieces is None:
+            continue
+        parts = [
+            (targets[piece.name], [Run(piece.start, piece.numel, piece.offset)] if piece.numel else [])
+            for piece in pieces
+        ]
+        # An original parameter with no element on this rank (`use_orig_params=True`) gets no gradient here, so the
+        # optimizer keeps no state for it on this rank (as after `FSDP.optim_state_dict_to_load`); a flat parameter
+        # (`use_orig_params=False`) always has its flat state, shaped like the shard.
+        has_state = any(piece.numel for piece in pieces) or isinstance(param, FlatParameter)
+        collected.optimizer_params[id(param)] = OptimizerParam(param.numel(), parts, _viewed_as(param), has_state)
+    collected.check_materialized()
+    return collected
 
 
 def add_buffers(collector: TargetCollector, module_name: str, submodule: Module) -> None:
@@ -187,62 +210,45 @@ def add_buffers(collector: TargetCollector, module_name: str, submodule: Module)
         collector.add(Target([full_name], tuple(buffer.shape), buffer.dtype, tensor=buffer), key=buffer)
 
 
-def _add_flat_param_targets(fsdp_module: Module, prefix: str, collector: TargetCollector) -> None:
-    handle = fsdp_module._handle
-    flat_param = handle.flat_param
-    missing = [attr for attr in _FLAT_PARAM_ATTRIBUTES if not hasattr(flat_param, attr)]
-    if missing:
-        raise ShardLocalUnsupported(f"FSDP's flat parameters in this torch release lack {', '.join(missing)}")
-    local_shard = getattr(flat_param, "_local_shard", None)
-    if local_shard is None:  # FSDP creates `_local_shard` lazily, at the first forward; until then `data` is the shard
-        local_shard = flat_param.data
-    elif flat_param.data.data_ptr() != local_shard.data_ptr() or (
-        handle.uses_sharded_strategy and not handle.needs_unshard()
-    ):
-        # FSDP would reuse its unsharded copy (SHARD_GRAD_OP keeps it after a forward without backward) instead of
-        # gathering the shards again, and never see what is written into them.
-        raise ShardLocalUnsupported(
-            f"the FSDP unit {prefix or '<root>'!r} holds an unsharded copy of its parameters at the moment (after a"
-            " forward without backward, or inside forward and backward)"
-        )
-    orig_params = getattr(flat_param, "_params", None)  # set with `use_orig_params=True`
-    unit_parts: list[tuple[Target, list[Run]]] = []
-    for index, (fqn, shape, info) in enumerate(
-        zip(flat_param._fqns, flat_param._shapes, flat_param._shard_param_infos, strict=True)
-    ):
-        runs = [Run(info.intra_param_start_idx, info.numel_in_shard, info.offset_in_shard)] if info.in_shard else []
-        target = Target([join(prefix, fqn)], tuple(shape), flat_param.dtype, local=local_shard, runs=runs)
-        collector.add(target)
-        unit_parts.append((target, runs))
-        if orig_params is not None:
-            collector.collected.optimizer_params[id(orig_params[index])] = _orig_param(orig_params[index], target)
-    for shared in flat_param._shared_param_infos:
-        primary = join(prefix, join(shared.prim_module_name, shared.prim_param_name))
-        in_unit = (target for target, _ in unit_parts if target.names[0] == primary)
-        primary_target = next(in_unit, None) or collector.by_name.get(primary)
-        if primary_target is None:
-            raise ShardLocalUnsupported(f"the tied parameter {primary!r} was not found in its FSDP unit")
-        collector.alias(primary_target, [join(prefix, join(shared.module_name, shared.param_name))])
-    # An optimizer over flat parameters (`use_orig_params=False`) keeps one flat state per unit, shaped like the shard.
-    collector.collected.optimizer_params[id(flat_param)] = OptimizerParam(local_shard.numel(), unit_parts, _same)
+def _check_flat_params(module: Module) -> None:
+    """Raise :class:`ShardLocalUnsupported` where writing into the units' local shards would not reach the model."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for module_name, submodule in module.named_modules():
+        if not isinstance(submodule, FullyShardedDataParallel) or submodule._handle is None:
+            continue
+        handle = submodule._handle
+        flat_param = handle.flat_param
+        missing = [attr for attr in _FLAT_PARAM_ATTRIBUTES if not hasattr(flat_param, attr)]
+        if missing:
+            raise ShardLocalUnsupported(f"FSDP's flat parameters in this torch release lack {', '.join(missing)}")
+        # FSDP creates `_local_shard` lazily, at the first forward; until then `data` is the shard
+        local_shard = getattr(flat_param, "_local_shard", None)
+        if local_shard is not None and (
+            flat_param.data.data_ptr() != local_shard.data_ptr()
+            or (handle.uses_sharded_strategy and not handle.needs_unshard())
+        ):
+            # FSDP would reuse its unsharded copy (SHARD_GRAD_OP keeps it after a forward without backward) instead
+            # of gathering the shards again, and never see what is written into them.
+            raise ShardLocalUnsupported(
+                f"the FSDP unit {clean_name(module_name) or '<root>'!r} holds an unsharded copy of its parameters at"
+                " the moment (after a forward without backward, or inside forward and backward)"
+            )
 
 
-def _orig_param(param: Tensor, target: Target) -> OptimizerParam:
-    """An original parameter (``use_orig_params=True``): a 1-D view of its slice, or its full shape when unsharded."""
-    numel = target.local_numel
-    runs = [Run(run.start, run.count, 0) for run in target.runs]
+def _viewed_as(param: Tensor) -> Callable[[Tensor], Tensor]:
+    """How the optimizer state of ``param`` is made from its flat buffer: it takes the shape of its parameter.
+
+    A sharded original parameter is a 1-D view of its slice; one that FSDP does not shard (NO_SHARD, a single rank)
+    keeps its shape.
+
+    """
     shape = param.shape
 
     def to_state(flat: Tensor) -> Tensor:
-        # A sharded original parameter is a 1-D view of its slice; without sharding (NO_SHARD, or a single rank,
-        # where FSDP does not shard) it keeps its shape. The state takes the shape of the parameter it belongs to.
         return flat.view(shape) if flat.numel() == math.prod(shape) else flat
 
-    return OptimizerParam(numel, [(target, runs)], to_state, has_state=bool(runs))
-
-
-def _same(flat: Tensor) -> Tensor:
-    return flat
+    return to_state
 
 
 def copy_into_module(
@@ -280,10 +286,3 @@ def clean_name(name: str) -> str:
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
     return clean_tensor_name(name)
-
-
-def join(prefix: str, name: str) -> str:
-    """A dotted name: ``name`` inside ``prefix`` (either may be empty)."""
-    if not prefix:
-        return name
-    return f"{prefix}.{name}" if name else prefix

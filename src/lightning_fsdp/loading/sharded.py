@@ -18,8 +18,7 @@ upstream lacks:
 - A failure inside DCP (a ``CheckpointException``, which is a ``BaseException`` with every rank's traceback in its
   message) is raised as one short :class:`CheckpointLoadError`, with the ranks that failed.
 
-Upstream destination: ``src/lightning/fabric/strategies/fsdp.py`` (the sharded branch of ``load_checkpoint``, which
-``model_parallel.py`` imports from already).
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import functools

@@ -6,7 +6,7 @@ sits in that storage. A :class:`ByteRangeSource` reads those bytes with position
 touches only its own slices, memory never grows with the file, and a file that shrinks or changes during a load gives
 an error instead of a ``SIGBUS``.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import ctypes

@@ -5,7 +5,7 @@ caller trusts the file, so nothing but tensors and plain containers is built and
 the pickle names is then matched with its zip record (:mod:`~lightning_fsdp.loading.zip_records`), whose size must be
 exactly what the pickle says the storage holds.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import io

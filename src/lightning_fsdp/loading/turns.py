@@ -8,7 +8,7 @@ The schedule runs on the process group's key-value store, inside an :class:`~lig
 that it waits through: no collective runs inside or between turns, so a rank may wait for its turn for hours without
 tripping the process-group timeout, and a rank that fails or dies is noticed by the others while they wait.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 from __future__ import annotations

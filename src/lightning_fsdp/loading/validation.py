@@ -7,7 +7,7 @@ every model tensor match is removed or added automatically, and the errors name 
 A name that the checkpoint holds exactly as the model names it always wins: a prefix that would load another tensor
 in its place, or move it away, is not applied.
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 from collections import Counter

@@ -5,7 +5,7 @@ where the data starts. Both are checked against each other and against the file:
 the file and before the central directory, and no two records overlap. Records whose bytes are read by range must be
 stored uncompressed (``torch.save`` always stores them so).
 
-Upstream destination: ``src/lightning/fabric/utilities/load.py``.
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 import struct

@@ -1,10 +1,9 @@
 """Saving without a gather: a full checkpoint that every rank writes its own slices of (an extension of the package).
 
-Importing this module registers :func:`save_full_checkpoint` as a full-checkpoint writer of both strategies
-(``lightning_fsdp.strategy._FULL_CHECKPOINT_WRITERS``, the core's seam), so that
 :meth:`lightning_fsdp.FSDPStrategy.save_checkpoint` and :meth:`lightning_fsdp.ModelParallelStrategy.save_checkpoint`
-call it for a full checkpoint (``state_dict_type="full"``, ``save_distributed_checkpoint=False``); ``lightning_fsdp``
-imports it with either strategy. :mod:`.consolidated` explains how the file is written.
+call :func:`save_full_checkpoint` for a full checkpoint (``state_dict_type="full"``,
+``save_distributed_checkpoint=False``); :func:`save_safetensors` exports a model's weights. :mod:`.consolidated`
+explains how the files are written.
 """
 
 from collections.abc import Callable
@@ -69,19 +68,35 @@ def save_full_checkpoint(
     return True
 
 
-def save_safetensors(fabric: Any, path: Any, model: Module) -> None:
-    """Export the weights of a sharded ``model`` as one ``.safetensors`` file, every rank writing its own slices.
+def save_safetensors(fabric: Any, path: Any, model: Module, max_shard_size: int | str | None = None) -> None:
+    """Export the weights of a sharded ``model`` in safetensors format, every rank writing its own slices.
 
-    The file holds the model's state dict (parameters and persistent buffers, under the names ``Module.state_dict``
-    gives them), each tied tensor once under its first name, as ``safetensors.torch.save_model`` and
-    ``save_pretrained`` store tied weights. Rank 0 writes the header; every rank writes its slices at their offsets;
-    the file appears under ``path`` only when every rank succeeded. Call it on every rank, like ``fabric.save``.
+    A ``path`` that ends in ``.safetensors`` (without ``max_shard_size``) gets one file. Any other ``path`` is a
+    directory that gets what ``transformers``' ``save_pretrained`` writes there: the shards
+    ``model-00001-of-0000N.safetensors`` of at most ``max_shard_size`` each and ``model.safetensors.index.json``, or
+    ``model.safetensors`` alone when one shard holds everything, with the same names, split and index; for a
+    transformers model also its ``config.json`` (and ``generation_config.json``).
+
+    The files hold the model's state dict (parameters and persistent buffers, under the names ``Module.state_dict``
+    gives them), each tied tensor once (for a transformers model under the name ``save_pretrained`` keeps, else
+    under its first name). Rank 0 writes the headers, the index and the configuration; every rank writes its slices
+    at their offsets; the file, or the directory, appears under ``path`` only when every rank succeeded. An earlier
+    directory at ``path`` is replaced as a whole. Call it on every rank, like ``fabric.save``.
 
     Example::
 
         from lightning_fsdp.saving import save_safetensors
 
-        save_safetensors(fabric, "model.safetensors", model)
+        save_safetensors(fabric, "model.safetensors", model)  # one file
+        save_safetensors(fabric, "exported", model, max_shard_size="2GB")  # a Hugging Face checkpoint
+
+    Args:
+        fabric: The ``Fabric`` (or its strategy) that set the model up.
+        path: A ``.safetensors`` file, or a directory.
+        model: The model as ``fabric.setup_module`` returned it.
+        max_shard_size: For a directory: the largest shard, in bytes or as a string with a unit among ``KB``,
+            ``MB``, ``GB``, ``TB`` (powers of 1000); ``"50GB"`` (``save_pretrained``'s default) if not given. A tensor
+            larger than that gets a shard of its own.
 
     Raises:
         CheckpointSaveError: On every rank, if writing failed on any rank, or if the model's layout or the ranks'
@@ -89,11 +104,28 @@ def save_safetensors(fabric: Any, path: Any, model: Module) -> None:
 
     """
     from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
+    from lightning_fsdp.saving import export
     from lightning_fsdp.saving.consolidated import SaveUnsupported
 
     strategy = getattr(fabric, "strategy", fabric)
     module = getattr(model, "_forward_module", model)
-    start = strategy.broadcast((str(path), new_namespace()))
+    single_file = str(path).endswith(".safetensors")
+    if single_file and max_shard_size is not None:
+        raise ValueError(
+            f"`save_safetensors(path={str(path)!r}, max_shard_size=...)`: a sharded export is a directory; pass a"
+            " directory path, or leave `max_shard_size` out for one file."
+        )
+    shard_size = None if single_file else export.parse_shard_size(max_shard_size or export.DEFAULT_MAX_SHARD_SIZE)
+    problem = None
+    if strategy.global_rank == 0:
+        existing = Path(path)
+        if single_file and existing.is_dir():
+            problem = f"the path is a directory: {str(path)!r}"
+        elif not single_file and existing.exists() and not existing.is_dir():
+            problem = f"the path is a file, not a directory: {str(path)!r}"
+    start = strategy.broadcast((str(path), new_namespace(), problem))
+    if start[2] is not None:
+        raise CheckpointSaveError(f"`save_safetensors` cannot write {start[0]!r}: {start[2]}.")
     request = SaveRequest(
         path=Path(start[0]),
         state={"model": module},
@@ -102,6 +134,7 @@ def save_safetensors(fabric: Any, path: Any, model: Module) -> None:
         namespace=start[1],
         ranks=Ranks(strategy.global_rank, strategy.world_size),
         safetensors=True,
+        max_shard_size=shard_size,
     )
     try:
         reason = save(request, _converted)
@@ -135,18 +168,3 @@ def _warn_fallback(reason: str) -> None:
         f"The full checkpoint is saved by gathering it on rank 0 (Lightning's way), not by every rank writing its own"
         f" slices, because {reason}."
     )
-
-
-def _write(strategy: Any, path: Any, state: dict, filter: Any, module: Module, fsdp2: bool) -> bool:
-    # Looked up at call time, so that patching `lightning_fsdp.saving.save_full_checkpoint` reaches the strategies.
-    return save_full_checkpoint(strategy, path, state, filter, module, fsdp2)
-
-
-def _register() -> None:
-    from lightning_fsdp.strategy import _FULL_CHECKPOINT_WRITERS
-
-    if _write not in _FULL_CHECKPOINT_WRITERS:
-        _FULL_CHECKPOINT_WRITERS.append(_write)
-
-
-_register()

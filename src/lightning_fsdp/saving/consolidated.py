@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import math
 import os
 import pickle
@@ -46,7 +45,7 @@ from torch.optim import Optimizer
 from lightning_fsdp.loading.agreement import Agreement
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.shard_local import ModuleTargets, Run, ShardLocalUnsupported, Target, clean_name
-from lightning_fsdp.saving import archive
+from lightning_fsdp.saving import archive, export
 from lightning_fsdp.saving.crc import SparseCrc, combine_sparse
 
 #: Bytes of a tensor on an accelerator copied to host memory at a time before they are written.
@@ -144,12 +143,9 @@ def _state_dict_order(module: Module, collected: ModuleTargets) -> list[tuple[st
     kind; within one module the layouts keep the parameters' registration order.
     """
     module_order: dict[str, int] = {}
-    buffer_names: set[str] = set()
-    for name, submodule in module.named_modules(remove_duplicate=False):
+    for name, _ in module.named_modules(remove_duplicate=False):
         module_order.setdefault(clean_name(name), len(module_order))
-        for buffer_name, buffer in submodule._buffers.items():
-            if buffer is not None and buffer_name not in submodule._non_persistent_buffers_set:
-                buffer_names.add(clean_name(f"{name}.{buffer_name}" if name else buffer_name))
+    buffer_names = _persistent_buffer_names(module)
     entries = []
     for position, target in enumerate(collected.targets):
         for alias, name in enumerate(target.names):
@@ -158,6 +154,16 @@ def _state_dict_order(module: Module, collected: ModuleTargets) -> list[tuple[st
             entries.append((key, name, target))
     entries.sort(key=lambda entry: entry[0])
     return [(name, target) for _, name, target in entries]
+
+
+def _persistent_buffer_names(module: Module) -> set[str]:
+    """The (clean) names of the module's buffers that ``Module.state_dict`` holds."""
+    names: set[str] = set()
+    for name, submodule in module.named_modules(remove_duplicate=False):
+        for buffer_name, buffer in submodule._buffers.items():
+            if buffer is not None and buffer_name not in submodule._non_persistent_buffers_set:
+                names.add(clean_name(f"{name}.{buffer_name}" if name else buffer_name))
+    return names
 
 
 def _module_metadata(module: Module) -> OrderedDict:
@@ -257,16 +263,23 @@ class _Record:
 class _Layout:
     records: list[_Record]
     by_label: dict[str, int]
-    placed: list[archive.RecordLayout]
+    placed: list[archive.RecordLayout | None]
+    """Where each record's data goes (``None``: a record that a safetensors export does not store)."""
     end: int
     optimizer_states: dict[str, dict[int, list[tuple[str, str, Any]]]]
     """Per optimizer and parameter index: the merged ``(key, kind, dtype or value)`` of its state."""
     writes: set[str]
     """The labels of the records that this rank writes its slices of."""
+    files: list[int] = field(default_factory=list)
+    """Per record, the index of the file it goes to (a sharded safetensors export; else all in file 0)."""
 
 
 def _merge(
-    plan: _Plan, reports: list[_Report], rank_index: int, flat_optimizer_order: bool, safetensors: bool = False
+    plan: _Plan,
+    reports: list[_Report],
+    rank_index: int,
+    flat_optimizer_order: bool,
+    exported: export.ExportLayout | None = None,
 ) -> _Layout:
     records: list[_Record] = []
     by_label: dict[str, int] = {}
@@ -316,54 +329,30 @@ def _merge(
         for holders in groups.values():
             if holders[index % len(holders)] == rank_index:
                 writes.add(record.label)
-    if safetensors:
-        placed, end = _safetensors_layout(records)
-    else:
-        names = [(archive.storage_record_name(str(index)), record.nbytes) for index, record in enumerate(records)]
-        placed, end = archive.plan_records(names, 0)
-    return _Layout(records, by_label, placed, end, merged_states, writes)
+    if exported is not None:
+        placed: list[archive.RecordLayout | None] = [None] * len(records)
+        files = [0] * len(records)
+        for index, record in enumerate(records):
+            if index not in exported.placement:
+                writes.discard(record.label)  # not stored (a name the model ignores on save)
+                continue
+            files[index], offset = exported.placement[index]
+            placed[index] = archive.RecordLayout(record.label, 0, offset, record.nbytes)
+        return _Layout(records, by_label, placed, max(exported.ends, default=0), merged_states, writes, files)
+    names = [(archive.storage_record_name(str(index)), record.nbytes) for index, record in enumerate(records)]
+    stored, end = archive.plan_records(names, 0)
+    return _Layout(records, by_label, list(stored), end, merged_states, writes, [0] * len(records))
 
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-def _safetensors_header(records: list[_Record]) -> bytes:
-    """The safetensors header (length prefix included): the tensors back to back, in ``records`` order."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for record in records:
-        if record.dtype not in _SAFETENSORS_DTYPES:
-            raise SaveUnsupported(f"safetensors has no dtype for {record.dtype} ({record.label!r})")
-        name = record.label.removeprefix("model/")
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[record.dtype],
-            "shape": list(record.shape),
-            "data_offsets": [offset, offset + record.nbytes],
-        }
-        offset += record.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    return struct.pack("<Q", len(encoded)) + encoded
-
-
-def _safetensors_layout(records: list[_Record]) -> tuple[list[archive.RecordLayout], int]:
-    start = len(_safetensors_header(records))
-    placed = []
-    for record in records:
-        placed.append(archive.RecordLayout(record.label, 0, start, record.nbytes))
-        start += record.nbytes
-    return placed, start
+def _export_layout(plan: _Plan, module: Module, max_shard_size: int | None) -> export.ExportLayout:
+    """The files of a safetensors export; its records are the model's targets, in order (as :func:`_merge` adds)."""
+    record_of = {id(target): index for index, target in enumerate(plan.collected.targets)}
+    buffers = _persistent_buffer_names(module)
+    entries = [
+        export.Entry(name, tuple(target.names), record_of[id(target)], target.dtype, target.shape, name not in buffers)
+        for name, target in plan.entries
+    ]
+    return export.plan(entries, module, max_shard_size)
 
 
 def _local_writes(plan: _Plan, layout: _Layout) -> list[_LocalWrite]:
@@ -414,16 +403,19 @@ def _host_bytes(tensor: Tensor) -> memoryview:
     return memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
 
 
-def _write_runs(fd: int, writes: list[_LocalWrite], layout: _Layout) -> dict[int, int]:
+def _write_runs(fds: list[int], writes: list[_LocalWrite], layout: _Layout, crc: bool = True) -> dict[int, int]:
     """Write this rank's runs; return the sparse CRC of every record (this rank's bytes, zeros elsewhere)."""
     by_record: dict[int, list[tuple[Run, Tensor]]] = {}
     for write in writes:
         by_record.setdefault(write.record, []).extend((run, write.flat) for run in write.runs if run.count)
     crcs = {}
     for index, record in enumerate(layout.records):
-        sparse = SparseCrc(record.nbytes)
+        placed = layout.placed[index]
+        if placed is None:
+            continue
+        fd = fds[layout.files[index]]
+        sparse = SparseCrc(record.nbytes) if crc else None
         itemsize = record.dtype.itemsize
-        base = layout.placed[index].data_offset
         for run, flat in sorted(by_record.get(index, []), key=lambda item: item[0].start):
             piece = flat[run.offset : run.offset + run.count]
             if piece.dtype != record.dtype:
@@ -435,9 +427,11 @@ def _write_runs(fd: int, writes: list[_LocalWrite], layout: _Layout) -> dict[int
                     chunk = chunk.to("cpu")  # one staging buffer of at most STAGING_BYTES at a time
                 data = _host_bytes(chunk)
                 position = (run.start + chunk_start) * itemsize
-                _pwrite_all(fd, data, base + position)
-                sparse.add(position, data)
-        crcs[index] = sparse.value()
+                _pwrite_all(fd, data, placed.data_offset + position)
+                if sparse is not None:
+                    sparse.add(position, data)
+        if sparse is not None:
+            crcs[index] = sparse.value()
     return crcs
 
 
@@ -503,7 +497,9 @@ class SaveRequest:
     flat_optimizer_order: bool = False
     """FSDP1 with ``use_orig_params=False`` lists each parameter's per-element states before its other states."""
     safetensors: bool = False
-    """Write the model's tensors as one ``.safetensors`` file instead (each tied tensor once, under its first name)."""
+    """Write the model's tensors in ``.safetensors`` format instead (each tied tensor once; see :mod:`.export`)."""
+    max_shard_size: int | None = None
+    """With ``safetensors``: write a directory as ``save_pretrained`` does, with shards of at most this many bytes."""
 
 
 def temporary_path(path: Path, namespace: str) -> Path:
@@ -518,83 +514,174 @@ def save(request: SaveRequest, converted: Callable[[Any], Any]) -> str | None:
     (``obj.state_dict()`` for a stateful object), as the strategy does.
 
     Raises:
-        CheckpointSaveError: On every rank, if any rank failed (the temporary file is removed, the path untouched).
+        CheckpointSaveError: On every rank, if any rank failed (the temporary files are removed, the path untouched).
 
     """
     ranks = request.ranks
+    directory = request.safetensors and request.max_shard_size is not None
     tmp = temporary_path(request.path, request.namespace)
     optimizers = {key: obj for key, obj in request.state.items() if isinstance(obj, Optimizer)}
-    fd = -1
+    token = memoryview(request.namespace.encode())
+    fds: list[int] = []
     try:
         with Agreement(f"Saving {str(request.path)!r}", namespace=request.namespace) as agreement:
             try:
+                exported = None
                 try:
                     plan, report = _plan(request.module, optimizers, request.fsdp2, ranks)
-                except (SaveUnsupported, ShardLocalUnsupported) as reason:
+                    if request.safetensors:
+                        exported = _export_layout(plan, request.module, request.max_shard_size)
+                except (SaveUnsupported, ShardLocalUnsupported, export.ExportUnsupported) as reason:
                     plan, report = None, _Report(reason=str(reason))
+                if not directory:
+                    paths = [tmp]
+                else:
+                    paths = [tmp / file.name for file in exported.files] if exported is not None else []
                 if ranks.rank == 0:
-                    # Rank 0 creates the file and marks it, so that the others can tell they see the same file.
-                    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-                    _pwrite_all(fd, memoryview(request.namespace.encode()), 0)
+                    # Rank 0 creates the files and marks them, so that the others can tell they see the same files.
+                    if directory:
+                        os.mkdir(tmp)
+                    for file_path in paths:
+                        fds.append(os.open(file_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
+                        _pwrite_all(fds[-1], token, 0)
                 reports = _exchange(agreement, "report", report, ranks)
                 reason = next((r.reason for r in reports if r.reason is not None), None)
                 layout = None
                 if reason is None:
                     assert plan is not None
                     try:
-                        layout = _merge(
-                            plan, reports, ranks.rank, request.flat_optimizer_order, safetensors=request.safetensors
-                        )
+                        layout = _merge(plan, reports, ranks.rank, request.flat_optimizer_order, exported)
                     except SaveUnsupported as unsupported:
                         reason = str(unsupported)
                 if reason is None:
                     shared = True
                     if ranks.rank != 0:
-                        fd, shared = _open_shared(tmp, request.namespace)
+                        fds, shared = _open_shared(paths, request.namespace)
                     if agreement.any_rank(not shared):
                         reason = "the ranks do not see the same file at the path (no file system shared between them)"
                 if reason is not None:
                     return reason
                 assert plan is not None
                 assert layout is not None
-                crcs = _write_runs(fd, _local_writes(plan, layout), layout)
-                os.fsync(fd)
+                crcs = _write_runs(fds, _local_writes(plan, layout), layout, crc=exported is None)
+                for fd in fds:
+                    os.fsync(fd)
             except BaseException as error:
                 agreement.agree(error if isinstance(error, Exception) else None)
                 raise
-            all_crcs = _exchange(agreement, "crc", [crcs[index] for index in range(len(layout.records))], ranks)
+            if exported is None:
+                all_crcs = _exchange(agreement, "crc", [crcs[index] for index in range(len(layout.records))], ranks)
+            else:
+                agreement.agree()
             if ranks.rank == 0:
-                if request.safetensors:
-                    _pwrite_all(fd, memoryview(_safetensors_header(layout.records)), 0)
-                    os.ftruncate(fd, layout.end)
-                    os.fsync(fd)
+                if exported is not None:
+                    _finish_export(fds, exported, tmp if directory else None)
                 else:
-                    _finish(fd, request, plan, layout, all_crcs, converted)
-                os.close(fd)
-                fd = -1
-                if request.path.is_dir():
-                    import shutil
+                    _finish(fds[0], request, plan, layout, all_crcs, converted)
+                while fds:
+                    os.close(fds.pop())
+                if directory:
+                    _replace_directory(tmp, request.path)
+                else:
+                    if request.path.is_dir():
+                        import shutil
 
-                    shutil.rmtree(request.path)
-                os.replace(tmp, request.path)
+                        shutil.rmtree(request.path)
+                    os.replace(tmp, request.path)
                 _fsync_directory(request.path.parent)
     except CheckpointLoadError as error:
         raise CheckpointSaveError(str(error).replace("CheckpointLoadError", "CheckpointSaveError")) from error
     finally:
-        if fd >= 0:
-            os.close(fd)
-        # Every rank has left the agreement: the file was renamed (nothing to remove), or the save failed or fell back.
-        with suppress(FileNotFoundError):
-            tmp.unlink()
+        while fds:
+            os.close(fds.pop())
+        # Every rank has left the agreement: the files were renamed (nothing to remove), or the save failed or fell
+        # back.
+        if directory:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with suppress(FileNotFoundError):
+                tmp.unlink()
     return None
 
 
-def _open_shared(tmp: Path, token: str) -> tuple[int, bool]:
+def _open_shared(paths: list[Path], token: str) -> tuple[list[int], bool]:
+    """Open the files that rank 0 created; whether each holds its mark (else the ranks do not share them)."""
+    fds: list[int] = []
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            break
+        fds.append(fd)
+        if os.pread(fd, len(token.encode()), 0) != token.encode():
+            break
+    else:
+        return fds, True
+    for fd in fds:
+        os.close(fd)
+    return [], False
+
+
+def _finish_export(fds: list[int], exported: export.ExportLayout, directory: Path | None) -> None:
+    """Rank 0: every file's header; for a directory, the index and a transformers model's configuration."""
+    for fd, file, end in zip(fds, exported.files, exported.ends, strict=True):
+        _pwrite_all(fd, memoryview(file.header), 0)
+        os.ftruncate(fd, end)
+        os.fsync(fd)
+    if directory is None:
+        return
+    if exported.index is not None:
+        (directory / export.INDEX_NAME).write_bytes(exported.index)
+    export.write_configuration(exported, str(directory))
+    shards = {file.name for file in exported.files}
+    for entry in os.scandir(directory):
+        if entry.name not in shards and entry.is_file():
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_directory(directory)
+
+
+def _replace_directory(new: Path, path: Path) -> None:
+    """Rank 0: put the directory ``new`` at ``path``; an earlier directory there is replaced, or kept on failure.
+
+    Where the system can (Linux ``renameat2(RENAME_EXCHANGE)``), the two directories are swapped in one step, so
+    that ``path`` is always a complete directory; elsewhere the earlier one is first renamed aside (and back if the
+    second rename fails). The earlier directory is then removed.
+    """
+    import shutil
+
+    if not os.path.lexists(path):
+        os.rename(new, path)
+        return
+    if _swap(new, path):
+        shutil.rmtree(new, ignore_errors=True)  # now the earlier directory
+        return
+    aside = new.with_suffix(".old")
+    os.rename(path, aside)
     try:
-        fd = os.open(tmp, os.O_RDWR)
-    except FileNotFoundError:
-        return -1, False
-    return fd, os.pread(fd, len(token.encode()), 0) == token.encode()
+        os.rename(new, path)
+    except BaseException:
+        os.rename(aside, path)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _swap(first: Path, second: Path) -> bool:
+    """Exchange two paths atomically with Linux's ``renameat2``; ``False`` where it is not available."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError, TypeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0
 
 
 def _exchange(agreement: Agreement, name: str, value: Any, ranks: Ranks) -> list[Any]:
@@ -616,6 +703,7 @@ def _finish(
     """Rank 0: the local headers of the storages, the small storages, the pickle, the small records, the directory."""
     directory: list[tuple[archive.RecordLayout, int]] = []
     for index, placed in enumerate(layout.placed):
+        assert placed is not None  # every record of a torch.save archive is stored
         crc = combine_sparse([crcs[index] for crcs in all_crcs], placed.size)
         _pwrite_all(fd, memoryview(archive.local_header(placed, crc)), placed.header_offset)
         directory.append((placed, crc))

@@ -168,18 +168,27 @@ def test_fsdp_load_raw_strict_error_leaves_model_untouched(tmp_path):
 
 def _run_error_on_one_rank(strategy, tmp_path):
     model = _sharded(strategy)
-    path = tmp_path / ("model.pt" if strategy.global_rank == 0 else "missing.pt")
+    before = [param.detach().clone() for param in model.parameters()]
+    # the file on rank 1 was cut short (a copy that did not finish): torch's zip reader refuses it there
+    path = tmp_path / ("model.pt" if strategy.global_rank == 0 else "truncated.pt")
     if strategy.global_rank == 0:
-        error, match = RuntimeError, r"failed on rank\(s\) 1: FileNotFoundError"
+        error, match = RuntimeError, r"failed on rank\(s\) 1: RuntimeError: PytorchStreamReader"
     else:
-        error, match = FileNotFoundError, "missing.pt"
+        error, match = RuntimeError, "PytorchStreamReader failed reading zip archive"
     with pytest.raises(error, match=match):
-        _load_full_checkpoint(path, {"model": model}, "model", True, None, strategy.local_rank, 2)
+        # called as the strategy calls it, past the broadcast of rank 0's path
+        _load_full_checkpoint(path, {"model": model}, True, None, strategy.local_rank, 2)
+    if strategy.global_rank == 1:
+        # the rank whose file could not be read left its shards as they were
+        for param, previous in zip(model.parameters(), before):
+            torch.testing.assert_close(param, previous, rtol=0, atol=0)
 
 
 @RunIf(min_torch="2.4")
 def test_fsdp_load_error_on_one_rank_raises_on_every_rank(tmp_path):
     _write_raw_files(tmp_path)
+    data = (tmp_path / "model.pt").read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
     _spawn_on_cpu(_run_error_on_one_rank, tmp_path)
 
 

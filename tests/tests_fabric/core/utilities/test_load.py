@@ -73,6 +73,26 @@ def test_hf_index_refuses_shards_outside_its_folder(tmp_path):
         _lazy_load_state_dict(tmp_path)
 
 
+def test_lazy_load_state_dict_refuses_damaged_files(tmp_path):
+    """A file cut short is refused when it is opened, before any tensor of it is read."""
+    state_dict = {"a": torch.arange(100.0), "b": torch.ones(3, 4)}
+    torch.save(state_dict, tmp_path / "model.pt")
+    data = (tmp_path / "model.pt").read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(RuntimeError, match="failed finding central directory"):
+        _lazy_load_state_dict(tmp_path / "truncated.pt", weights_only=True)
+
+    _save_safetensors(state_dict, tmp_path / "model.safetensors")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "truncated.safetensors").write_bytes(data[:-8])
+    assert _is_safetensors_file(tmp_path / "truncated.safetensors")
+    with pytest.raises(Exception, match="not fully covered"):
+        _lazy_load_state_dict(tmp_path / "truncated.safetensors")
+    # a header that claims more bytes than the file holds is not taken for a safetensors file
+    (tmp_path / "header.safetensors").write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    assert not _is_safetensors_file(tmp_path / "header.safetensors")
+
+
 def _save_safetensors(tensors, path):
     # `safetensors` is optional: the tests that write such files are skipped without it
     safetensors_torch = pytest.importorskip("safetensors.torch")
