@@ -42,6 +42,7 @@ setup(
         "test": [
             "pytest>=8.0",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",  # `make test` runs the suite in two processes
             "ruff>=0.17,<0.18",
             "psutil>=5.9",
             "click>=8.1",
