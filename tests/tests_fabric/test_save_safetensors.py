@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
 from lightning_fsdp.saving import CheckpointSaveError, save_safetensors
 from tests.tests_fabric.helpers.distributed import run_distributed
-from tests.tests_fabric.helpers.models import Block, TinyTransformer
+from tests.tests_fabric.helpers.models import Block, TinyTransformer, tiny_llama_config
 from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
 from tests.tests_fabric.test_fsdp2 import _Model, _parallelize
 
@@ -70,18 +70,8 @@ def test_safetensors_export_reads_back(tmp_path: Path, layout: str, devices: int
 
 
 def _llama_config(tie: bool):
-    import transformers
-
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
+    # 64 wide: the embedding and the MLP weights take 32 KiB each, which the shard sizes below are chosen around
+    return tiny_llama_config(tie, vocab=128, hidden=64)
 
 
 def _llama(tie: bool, source: str | None, seed: int) -> torch.nn.Module:

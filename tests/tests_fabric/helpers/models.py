@@ -73,13 +73,13 @@ class TableModel(nn.Module):
         return self.table(self.linear(x))
 
 
-def tiny_llama_config(tie: bool, vocab: int, pad_token_id: int | None = None) -> "LlamaConfig":
+def tiny_llama_config(tie: bool, vocab: int, pad_token_id: int | None = None, hidden: int = 32) -> "LlamaConfig":
     """A Hugging Face Llama config small enough for CPU ranks (transformers must be installed)."""
     import transformers
 
     return transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
