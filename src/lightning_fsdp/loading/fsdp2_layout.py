@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_fsdp.core.fsdp import _join as join
 from lightning_fsdp.core.model_parallel import _local_tensor_and_box
 from lightning_fsdp.loading.shard_local import (
     ModuleTargets,
@@ -38,7 +39,6 @@ from lightning_fsdp.loading.shard_local import (
     Target,
     TargetCollector,
     clean_name,
-    join,
     whole_target,
 )
 

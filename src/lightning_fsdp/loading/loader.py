@@ -17,6 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.core.fsdp import _join as join
 from lightning_fsdp.loading.conversions import with_declared_conversions
 from lightning_fsdp.loading.errors import CheckpointLoadError, described, quoted_names, unexpected_cause
 from lightning_fsdp.loading.formats import (
@@ -37,7 +38,6 @@ from lightning_fsdp.loading.shard_local import (
     clean_name,
     collect_targets,
     copy_into_module,
-    join,
 )
 from lightning_fsdp.loading.sources import TensorSource, materialize
 from lightning_fsdp.loading.torch_pickle import first_line

@@ -24,7 +24,6 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_fsdp.core.fsdp import _fsdp_layout
-from lightning_fsdp.core.fsdp import _join as join
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.sources import TensorSource
 from lightning_fsdp.loading.validation import NamePlan, TargetSpec
@@ -199,15 +198,6 @@ def collect_targets(module: Module) -> ModuleTargets:
         collected.optimizer_params[id(param)] = OptimizerParam(param.numel(), parts, _viewed_as(param), has_state)
     collected.check_materialized()
     return collected
-
-
-def add_buffers(collector: TargetCollector, module_name: str, submodule: Module) -> None:
-    """The persistent buffers of ``submodule`` (not its children), copied whole."""
-    for name, buffer in submodule._buffers.items():
-        if buffer is None or name in submodule._non_persistent_buffers_set:
-            continue
-        full_name = clean_name(join(module_name, name))
-        collector.add(Target([full_name], tuple(buffer.shape), buffer.dtype, tensor=buffer), key=buffer)
 
 
 def _check_flat_params(module: Module) -> None:
