@@ -11,14 +11,17 @@
 # WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
 # See the License for the specific language governing permissions and
 # limitations under the License.
-"""Shard-local loading of full checkpoints into FSDP1 modules, and the rank's own GPU in ``module_init_context``.
+"""Shard-local loading of full checkpoints into FSDP1 modules.
 
 Destination: ``src/lightning/fabric/strategies/fsdp.py``. The module-level functions go there as they are; the
 :class:`FSDPStrategy` below only dispatches to them, as the edited methods of Lightning's class do.
+
+The functions below the orchestration work on a :class:`_Layout`, which says where each tensor of a full state dict
+lives on this rank. :func:`_fsdp_layout` computes it for FSDP1 modules (and ``_dtensor_layout`` in ``model_parallel.py``
+for modules of ``DTensor`` parameters), so that the checks, the copy and the slicing of the optimizer state exist once.
 """
 
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, TypeVar, Union
@@ -30,17 +33,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning.fabric.strategies import FSDPStrategy as _FSDPStrategy
-from lightning.fabric.strategies.fsdp import _has_fsdp_modules
+from lightning.fabric.strategies.fsdp import _has_fsdp_modules, _is_full_checkpoint
+from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.load import _move_state_into
 from lightning.fabric.utilities.types import _PATH
 from lightning_fsdp.core.load import (
     _find_hf_index,
     _is_mmappable,
     _is_raw_checkpoint_file,
+    _is_raw_state_dict,
     _lazy_load_state_dict,
+    _read_box,
     _read_flat,
     _shape_of,
 )
@@ -52,13 +56,6 @@ class FSDPStrategy(_FSDPStrategy):
     """Lightning's ``FSDPStrategy`` with the core's loading: the methods dispatch to the module-level functions."""
 
     @override
-    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
-        stack = ExitStack()
-        stack.enter_context(_own_device_context(self.root_device))
-        stack.enter_context(super().module_init_context(empty_init=empty_init))
-        return stack
-
-    @override
     def load_checkpoint(
         self,
         path: _PATH,
@@ -66,127 +63,101 @@ class FSDPStrategy(_FSDPStrategy):
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        if state:
+        if isinstance(state, Module) or (isinstance(state, dict) and state):
             path = self.broadcast(path)
-            metadata = _load_full_checkpoint(path, state, strict, weights_only, self.local_rank, self.num_processes)
-            if metadata is not None:
-                return metadata
+            module = state if isinstance(state, Module) else _single_module(state, _has_fsdp_modules)
+            if module is not None and (_is_full_checkpoint(Path(path)) or _find_hf_index(path) is not None):
+                raw = isinstance(state, Module)
+                return _load_full_checkpoint(
+                    self, path, module, _fsdp_layout(module), None if raw else state, strict, weights_only
+                )
         return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 
-def _is_checkpoint_file(path: _PATH) -> bool:
-    """Whether ``path`` is a checkpoint file (local or remote) or the index of a sharded Hugging Face checkpoint."""
-    if not _is_local_file_protocol(path):
-        return get_filesystem(path).isfile(str(path))
-    return Path(path).is_file() or _find_hf_index(path) is not None
-
-
-def _own_device_context(device: torch.device) -> AbstractContextManager:
-    """Make the rank's own GPU the current device, so that tensors created on ``"cuda"`` land there."""
-    return torch.cuda.device(device) if device.type == "cuda" else ExitStack()
+def _single_module(state: dict[str, Any], is_sharded: Callable[[object], bool]) -> Optional[Module]:
+    modules = [value for value in state.values() if is_sharded(value)]
+    return modules[0] if len(modules) == 1 else None
 
 
 def _load_full_checkpoint(
+    strategy: ParallelStrategy,
     path: _PATH,
-    state: Union[Module, Optimizer, dict[str, Any]],
+    module: Module,
+    layout: "_Layout",
+    state: Optional[dict[str, Any]],
     strict: bool,
     weights_only: Optional[bool],
-    local_rank: int,
-    local_world_size: int,
-    has_sharded_modules: Callable[[object], bool] = _has_fsdp_modules,
-    load_module_state: Optional[Callable[[Mapping[str, Any], Module, bool], None]] = None,
-    local_optimizer_state: Optional[Callable[[Mapping[str, Any], Module, Optimizer], dict[str, Any]]] = None,
-) -> Optional[dict[str, Any]]:
-    """Load a full checkpoint or a raw module state dict into ``state``, each rank copying only its own shards.
+) -> dict[str, Any]:
+    """Load a full checkpoint or a module state dict, each rank copying only its own part of every tensor.
 
     A file that can be read lazily (a zip-format ``torch.save`` file, safetensors, a Hugging Face index) is opened on
     every rank at once; one that has to be read whole (the legacy ``torch.save`` format, a file in object storage) is
-    read by one rank of a node at a time, so that a node never holds more than one copy. The ranks wait for each other
-    in collectives of the default process group, so a rank that dies or hangs meanwhile makes the others wait until
-    the group's timeout (the strategy's ``timeout``, 30 minutes by default).
+    read by one rank of a node at a time, so that a node never holds more than one copy. Everything that can fail is
+    checked before anything is written: a failed load leaves the model and the optimizers as they were. An error on
+    one rank is raised on every rank. The ranks wait for each other in collectives of the default process group (a
+    barrier per turn, one ``all_gather_object``), which the group's timeout bounds (the strategy's ``timeout``).
 
     Args:
+        strategy: The strategy: its local rank and number of processes set the turns.
         path: The checkpoint file, or a Hugging Face index (or its folder); the same on every rank.
-        state: The model (``fabric.load_raw``), or the objects to restore (``fabric.load``).
+        module: The sharded model.
+        layout: Where each tensor of the model lives on this rank (:func:`_fsdp_layout`).
+        state: The objects to restore (``fabric.load``), ``module`` among them; ``None`` for a file that holds the
+            module's state dict alone (``fabric.load_raw``).
         strict: Whether names must match exactly and every requested key must be in the checkpoint.
-        weights_only: Passed to :func:`torch.load`. ``None`` unpickles any object of a full checkpoint, as
-            ``_lazy_load`` does; safetensors files and indexes hold tensors only.
-        local_rank: The rank's index on its node.
-        local_world_size: The number of ranks on the node.
-        has_sharded_modules: Whether an object of ``state`` is the sharded model.
-        load_module_state: Copies the rank's part of a full state dict into the model; FSDP's flat parameters by
-            default (:func:`_load_fsdp_module_state`).
-        local_optimizer_state: The rank's part of a full optimizer state, as ``optimizer.load_state_dict`` takes it;
-            for FSDP's flat parameters by default (:func:`_local_optimizer_state`).
+        weights_only: Passed to :func:`torch.load`. ``None`` unpickles any object of a full checkpoint (it may hold
+            any object), and only tensors of a module state dict.
 
     Returns:
-        The checkpoint's entries that ``state`` did not ask for (``{}`` for a model alone), or ``None`` if ``path``
-        is not a checkpoint file or ``state`` does not hold exactly one sharded model: the caller loads it otherwise.
+        The checkpoint's entries that ``state`` did not ask for (``{}`` for a module state dict).
 
     """
-    if isinstance(state, Optimizer) or not _is_checkpoint_file(path):
-        return None
-    # a safetensors file or a Hugging Face index holds a module state dict and nothing else
-    raw_file = _is_raw_checkpoint_file(path)
-    load_raw = isinstance(state, Module)
-    if load_raw:
-        state, module_key = {"model": state}, "model"
-    else:
-        modules = [key for key, value in state.items() if has_sharded_modules(value)]
-        if len(modules) != 1:
-            return None
-        module_key = modules[0]
-        # a full checkpoint may hold any object; safetensors files and indexes hold tensors only
-        if weights_only is None and not raw_file:
-            weights_only = False
-    load = partial(
-        _load_full_checkpoint_into,
-        path,
-        raw_file,
-        state,
-        module_key,
-        strict,
-        weights_only,
-        load_module_state or _load_fsdp_module_state,
-        local_optimizer_state or _local_optimizer_state,
-    )
-    # every rank runs the same collectives, whatever it found at the path
-    metadata = _run_in_turn(load, turn=0 if _is_mmappable(path) else local_rank, turns=local_world_size)
-    return {} if load_raw else metadata
+    if state is not None and weights_only is None and not _is_raw_checkpoint_file(path):
+        weights_only = False
+    load = partial(_load_full_checkpoint_into, path, module, layout, state, strict, weights_only)
+    # every rank reads only the pages of its own slices of a memory-mapped file, at once; rank 0's file decides, so
+    # that every rank runs the same collectives whatever it finds at the path
+    mmappable = strategy.broadcast(_is_mmappable(path))
+    if mmappable:
+        return _run_in_turn(load, strategy, turn=0, turns=1)
+    return _run_in_turn(load, strategy, turn=strategy.local_rank, turns=strategy.num_processes)
 
 
 def _load_full_checkpoint_into(
     path: _PATH,
-    raw_file: bool,
-    state: dict[str, Any],
-    module_key: str,
+    module: Module,
+    layout: "_Layout",
+    state: Optional[dict[str, Any]],
     strict: bool,
     weights_only: Optional[bool],
-    load_module_state: Callable[[Mapping[str, Any], Module, bool], None],
-    local_optimizer_state: Callable[[Mapping[str, Any], Module, Optimizer], dict[str, Any]],
 ) -> dict[str, Any]:
     checkpoint = _lazy_load_state_dict(path, weights_only=weights_only)
-    if raw_file or not isinstance(checkpoint.get(module_key), Mapping):
-        # a raw module state dict (`torch.save(model.state_dict())`, safetensors, a Hugging Face checkpoint)
+    if state is None:
+        # `fabric.load_raw`: the file is the module's state dict
+        _load_module_state(checkpoint, module, layout, strict)
+        return {}
+    module_key = next(key for key, value in state.items() if value is module)
+    if _is_raw_checkpoint_file(path) or (module_key not in checkpoint and _is_raw_state_dict(checkpoint)):
+        # a module state dict (`torch.save(model.state_dict())`, safetensors): nothing else was saved with it
         checkpoint = {module_key: checkpoint}
-    _validate_keys_for_strict_loading(state.keys() - {module_key}, checkpoint.keys(), strict=strict)
-    module = state[module_key]
     optimizers = {key: optim for key, optim in state.items() if isinstance(optim, Optimizer)}
-    # the optimizers' states are sliced (and checked) first, so that an error leaves the model untouched
+    _validate_keys_for_strict_loading(state.keys() - {module_key}, checkpoint.keys(), strict=strict)
+    module_state = checkpoint.pop(module_key)
+    sources = _check_module_state(module_state, module, layout, strict)
+    # the optimizers' states are sliced (and checked) before anything is written: an error leaves everything untouched
     optimizer_states = {
-        key: local_optimizer_state(checkpoint.pop(key), module, optim)
+        key: _local_optimizer_state(checkpoint.pop(key), optim, layout)
         for key, optim in optimizers.items()
         if key in checkpoint
     }
-    load_module_state(checkpoint.pop(module_key), module, strict)
+    _copy_module_state(module_state, sources, layout)
     for key, optimizer_state in optimizer_states.items():
         optimizers[key].load_state_dict(optimizer_state)
-    requested_metadata_keys = state.keys() - {module_key} - optimizers.keys()
-    _move_state_into(source=checkpoint, destination=state, keys=requested_metadata_keys)
+    _move_state_into(source=checkpoint, destination=state, keys=state.keys() - {module_key} - optimizers.keys())
     return checkpoint
 
 
-def _run_in_turn(fn: Callable[[], _T], turn: int, turns: int) -> _T:
+def _run_in_turn(fn: Callable[[], _T], strategy: ParallelStrategy, turn: int, turns: int) -> _T:
     """Call ``fn`` in this rank's turn, one of ``turns`` that the ranks of a node take one after the other.
 
     Ranks that share a turn run at the same time. ``fn`` must not run collectives: the ranks whose turn it is not wait
@@ -201,25 +172,25 @@ def _run_in_turn(fn: Callable[[], _T], turn: int, turns: int) -> _T:
                 result = fn()
             except Exception as ex:
                 error = ex
-        if turns > 1 and _distributed_is_initialized():
-            torch.distributed.barrier()
-    _raise_on_all_ranks(error)
+        if current < turns - 1:
+            strategy.barrier()
+    _raise_on_all_ranks(strategy, error)
     return result  # type: ignore[return-value]
 
 
-def _raise_on_all_ranks(error: Optional[BaseException]) -> None:
+def _raise_on_all_ranks(strategy: ParallelStrategy, error: Optional[BaseException]) -> None:
     """Share each rank's error with one collective, and raise on every rank if any rank failed.
 
     A rank that failed raises its own error; the others raise a ``RuntimeError`` that names the failed ranks and the
     first error, so that no rank continues with a partially loaded model while another stopped.
 
     """
-    if not _distributed_is_initialized():
+    if strategy.world_size == 1 or not torch.distributed.is_initialized():
         if error is not None:
             raise error
         return
     message = None if error is None else f"{type(error).__name__}: {error}"
-    messages: list[Optional[str]] = [None] * torch.distributed.get_world_size()
+    messages: list[Optional[str]] = [None] * strategy.world_size
     torch.distributed.all_gather_object(messages, message)
     failed = [rank for rank, message in enumerate(messages) if message is not None]
     if error is not None:
@@ -230,51 +201,70 @@ def _raise_on_all_ranks(error: Optional[BaseException]) -> None:
         )
 
 
+_Index = Union[int, tuple[slice, ...]]
+"""Which part of a full tensor a rank holds: the flat elements from an ``int`` start on, or a box of slices."""
+
+
 class _Shard(NamedTuple):
-    """Where one tensor of the model lives on this rank (see :func:`_fsdp_layout`)."""
+    """Where one tensor of the model lives on this rank: ``local`` holds the part ``index`` of the full tensor."""
 
     shape: torch.Size
     local: Tensor
-    start: int
+    index: _Index
 
 
 class _Piece(NamedTuple):
-    """Elements ``start:start + numel`` of the flattened tensor ``name``, at ``offset`` of a flat parameter."""
+    """The part ``index`` (``numel`` elements) of the tensor ``name``, at ``offset`` of a parameter's local elements."""
 
     name: str
     offset: int
     numel: int
-    start: int
+    index: _Index
 
 
-class _FSDPLayout(NamedTuple):
-    """Which elements of which tensors of a full state dict this rank holds in an FSDP module."""
+class _Param(NamedTuple):
+    """A parameter that an optimizer holds: the pieces of its ``numel`` local elements, and the state they make."""
+
+    pieces: list[_Piece]
+    numel: int
+    to_state: Callable[[Tensor], Tensor]
+
+
+class _Layout(NamedTuple):
+    """Which parts of which tensors of a full state dict this rank holds (see :func:`_fsdp_layout`)."""
 
     shards: dict[str, _Shard]
     tied: dict[str, str]
-    pieces: dict[int, list[_Piece]]
+    params: dict[int, _Param]
+    param_names: list[str]
 
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
-def _fsdp_layout(module: Module) -> _FSDPLayout:
-    """Where each tensor of the model lives on this rank, and what each parameter that an optimizer sees holds.
+def _fsdp_layout(module: Module) -> _Layout:
+    """Where each tensor of an FSDP1 model lives on this rank, and what each parameter that an optimizer sees holds.
 
     ``shards`` maps each name of the model's state dict to its place on this rank: a parameter that FSDP flattened is
     written into its part of the unit's local shard (``local``, empty when the rank holds no element of it), which
-    holds the elements from ``start`` on of the flattened full parameter; a tensor that FSDP does not shard (a buffer,
-    a parameter outside every unit) is written whole (``start=-1``). ``tied`` maps the other names of tied parameters
-    to the name in ``shards``. ``pieces`` maps each parameter (``id``: a ``FlatParameter``, an original parameter with
-    ``use_orig_params=True``, a parameter that FSDP does not shard) to the pieces of the named tensors it holds (every
-    tensor of a unit is listed, with ``numel=0`` where the rank holds no element of it).
+    holds the elements from ``index`` on of the flattened full parameter; a tensor that FSDP does not shard (a buffer,
+    a parameter outside every unit) is written whole (``index=()``). ``tied`` maps the other names of tied parameters
+    to the name in ``shards``. ``params`` maps each parameter (``id``: a ``FlatParameter``, an original parameter with
+    ``use_orig_params=True``, a parameter that FSDP does not shard) to the pieces of the named tensors it holds.
+    ``param_names`` lists the parameters' names in the order of the unwrapped model's ``parameters()``, the order of
+    an optimizer state keyed by integers.
 
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-    layout = _FSDPLayout({}, {}, {})
+    layout = _Layout({}, {}, {}, [])
+    # the unwrapped model's order of its modules, which FSDP's wrappers keep: parameters sort by their module
+    positions: dict[str, int] = {}
+    for module_name, _ in module.named_modules():
+        positions.setdefault(clean_tensor_name(module_name), len(positions))
+    order: dict[str, tuple[int, int]] = {}
     whole: dict[int, str] = {}
     for module_name, submodule in module.named_modules():
         prefix = clean_tensor_name(module_name)
@@ -284,16 +274,19 @@ def _fsdp_layout(module: Module) -> _FSDPLayout:
             pieces = []
             orig_params = getattr(flat_param, "_params", None) or [None] * len(flat_param._fqns)
             infos = zip(flat_param._fqns, flat_param._shapes, flat_param._shard_param_infos, orig_params)
-            for fqn, shape, info, param in infos:
+            for i, (fqn, shape, info, param) in enumerate(infos):
                 name = _join(prefix, fqn)
                 piece = _Piece(name, 0, 0, 0)
                 if info.in_shard:
                     piece = _Piece(name, info.offset_in_shard, info.numel_in_shard, info.intra_param_start_idx)
                 pieces.append(piece)
-                layout.shards[name] = _Shard(shape, local_shard[piece.offset : piece.offset + piece.numel], piece.start)
+                layout.shards[name] = _Shard(shape, local_shard[piece.offset : piece.offset + piece.numel], piece.index)
+                order[name] = (positions[name.rpartition(".")[0]], i)
                 if param is not None:
-                    layout.pieces[id(param)] = [piece._replace(offset=0)]
-            layout.pieces[id(flat_param)] = pieces
+                    # an original parameter with no element here gets no gradient here: the optimizer keeps no state
+                    own = [piece._replace(offset=0)] if piece.numel else []
+                    layout.params[id(param)] = _Param(own, param.numel(), partial(_viewed_as, param.shape))
+            layout.params[id(flat_param)] = _Param(pieces, flat_param.numel(), partial(_viewed_as, flat_param.shape))
             for shared in flat_param._shared_param_infos:
                 primary = _join(prefix, _join(shared.prim_module_name, shared.prim_param_name))
                 layout.tied[_join(prefix, _join(shared.module_name, shared.param_name))] = primary
@@ -302,7 +295,7 @@ def _fsdp_layout(module: Module) -> _FSDPLayout:
             for name, buffer in submodule._buffers.items()
             if name not in submodule._non_persistent_buffers_set
         ]
-        for name, tensor in tensors:
+        for i, (name, tensor) in enumerate(tensors):
             if tensor is None or getattr(tensor, "_fsdp_flattened", False):
                 continue
             full_name = clean_tensor_name(_join(module_name, name))
@@ -310,21 +303,27 @@ def _fsdp_layout(module: Module) -> _FSDPLayout:
                 layout.tied[full_name] = whole[id(tensor)]
                 continue
             whole[id(tensor)] = full_name
-            layout.shards[full_name] = _Shard(tensor.shape, tensor, -1)
-            layout.pieces[id(tensor)] = [_Piece(full_name, 0, tensor.numel(), 0)]
+            layout.shards[full_name] = _Shard(tensor.shape, tensor, ())
+            if name in submodule._parameters:
+                piece = _Piece(full_name, 0, tensor.numel(), ())
+                layout.params[id(tensor)] = _Param([piece], tensor.numel(), partial(_viewed_as, tensor.shape))
+                order[full_name] = (positions[prefix], i)
+    layout.param_names.extend(sorted(order, key=order.__getitem__))
     return layout
 
 
-def _load_fsdp_module_state(state_dict: Mapping[str, Any], module: Module, strict: bool = True) -> None:
-    """Copy this rank's part of every tensor from a full (lazily read) state dict into the FSDP module's shards.
+def _viewed_as(shape: torch.Size, flat: Tensor) -> Tensor:
+    return flat.view(shape)
 
-    Names and shapes are checked, and reported as :meth:`torch.nn.Module.load_state_dict` reports them, before
-    anything is written; with ``strict=False`` missing and unexpected names are skipped.
+
+def _check_module_state(state_dict: Mapping[str, Any], module: Module, layout: _Layout, strict: bool) -> dict[str, str]:
+    """Which entry of ``state_dict`` feeds each tensor in ``layout.shards``; nothing is read or written.
+
+    Names and shapes are checked, and reported as :meth:`torch.nn.Module.load_state_dict` reports them; with
+    ``strict=False`` missing and unexpected names are skipped.
 
     """
-    shards, tied, _ = _fsdp_layout(module)
-    missing = [name for name in [*shards, *tied] if name not in state_dict]
-    unexpected = [name for name in state_dict if name not in shards and name not in tied]
+    shards, tied = layout.shards, layout.tied
     sources = {}
     errors = []
     for name, shard in shards.items():
@@ -340,68 +339,152 @@ def _load_fsdp_module_state(state_dict: Mapping[str, Any], module: Module, stric
             )
         sources[name] = source
     if strict:
+        unexpected = [name for name in state_dict if name not in shards and name not in tied]
+        missing = [name for name in [*shards, *tied] if name not in state_dict]
         if unexpected:
             errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
         if missing:
             errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
     if errors:
         raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors))
+    return sources
+
+
+def _copy_module_state(state_dict: Mapping[str, Any], sources: Mapping[str, str], layout: _Layout) -> None:
+    """Copy this rank's part of each tensor named in ``sources`` (see :func:`_check_module_state`) into the model."""
     with torch.no_grad():
         for name, source in sources.items():
-            shard = shards[name]
-            if shard.start < 0:
-                shard.local.copy_(_read_flat(state_dict[source], 0, shard.local.numel()).view(shard.shape))
-            elif shard.local.numel():
-                shard.local.copy_(_read_flat(state_dict[source], shard.start, shard.start + shard.local.numel()))
+            shard = layout.shards[name]
+            if shard.local.numel():
+                shard.local.copy_(_read_part(state_dict[source], shard.index, shard.local.numel()).view_as(shard.local))
 
 
-def _local_optimizer_state(optimizer_state: Mapping[str, Any], module: Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The rank's part of a full optimizer state (keyed by parameter names), as ``optimizer.load_state_dict`` takes it.
+def _load_module_state(state_dict: Mapping[str, Any], module: Module, layout: _Layout, strict: bool = True) -> None:
+    """Check a full (lazily read) module state dict against the model, then copy this rank's part of every tensor."""
+    _copy_module_state(state_dict, _check_module_state(state_dict, module, layout, strict), layout)
 
-    Per-parameter state tensors (Adam's ``exp_avg``) are sliced like their parameter, from the lazily read checkpoint;
-    scalar states (``step``) and the parameter groups' hyperparameters are taken as they are.
+
+def _read_part(value: Any, index: _Index, numel: int) -> Tensor:
+    """The part ``index`` of a tensor or a lazy slice: ``numel`` flat elements, or a box."""
+    if isinstance(index, int):
+        return _read_flat(value, index, index + numel)
+    return _read_box(value, index)
+
+
+def _local_optimizer_state(optimizer_state: Mapping[str, Any], optimizer: Optimizer, layout: _Layout) -> dict[str, Any]:
+    """The rank's part of a full optimizer state, as :meth:`torch.optim.Optimizer.load_state_dict` takes it.
+
+    The full state is keyed by parameter names, as ``FSDP.optim_state_dict`` writes it, or by integers, as an
+    optimizer of the unwrapped model saves it (``optimizer.state_dict()``). Per-parameter state tensors (Adam's
+    ``exp_avg``) are sliced like their parameter, from the lazily read checkpoint; scalar states (``step``) and the
+    parameter groups' hyperparameters are read as they are. Everything is checked before it is returned.
 
     """
-    pieces = _fsdp_layout(module).pieces
     saved_state, saved_groups = optimizer_state["state"], optimizer_state["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
-            f"The checkpoint's optimizer has {len(saved_groups)} parameter groups, the optimizer has"
+            f"The checkpoint's optimizer has {len(saved_groups)} parameter group(s), the optimizer has"
             f" {len(optimizer.param_groups)}. Create the optimizer with the same groups as the one that was saved."
         )
+    if any(isinstance(key, int) for key in saved_state):
+        saved_state = _state_by_name(saved_state, layout.param_names)
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
     for saved_group, group in zip(saved_groups, optimizer.param_groups):
         indices = []
         for param in group["params"]:
-            param_state = _local_param_state(saved_state, param, pieces[id(param)])
+            if id(param) not in layout.params:
+                raise ValueError(
+                    "The optimizer holds a parameter that is not part of the model. Create the optimizer with the"
+                    " parameters of the model (after `setup_module`)."
+                )
+            param_state = _local_param_state(saved_state, layout.params[id(param)], layout)
             if param_state:
                 state[index] = param_state
             indices.append(index)
             index += 1
-        groups.append({**{k: _materialized(v) for k, v in saved_group.items() if k != "params"}, "params": indices})
+        hyperparameters = {
+            key: _materialized(value, group.get(key)) for key, value in saved_group.items() if key != "params"
+        }
+        groups.append({**hyperparameters, "params": indices})
     return {"state": state, "param_groups": groups}
 
 
-def _local_param_state(saved_state: Mapping[str, Any], param: Tensor, pieces: list[_Piece]) -> dict[str, Any]:
-    """The state of one parameter of the optimizer, assembled from the slices of the names it holds."""
-    local: dict[str, Any] = {}
-    for name, offset, numel, start in pieces:
-        if not numel:
-            continue
-        for key, value in saved_state.get(name, {}).items():
-            if not isinstance(value, Tensor) or value.dim() == 0:
-                local.setdefault(key, _materialized(value))
+def _state_by_name(saved_state: Mapping[int, Any], names: Sequence[str]) -> dict[str, Any]:
+    """An optimizer state keyed by the parameters' indices (as the unwrapped model ordered them) keyed by name."""
+    unknown = [key for key in saved_state if not isinstance(key, int) or not 0 <= key < len(names)]
+    if unknown:
+        raise ValueError(
+            f"The checkpoint's optimizer state holds parameters that the model does not: {sorted(map(str, unknown))}."
+            f" The model has {len(names)} parameters. Create the optimizer with the parameters of the one that was"
+            " saved."
+        )
+    return {names[key]: value for key, value in saved_state.items()}
+
+
+def _local_param_state(saved_state: Mapping[str, Any], param: _Param, layout: _Layout) -> dict[str, Any]:
+    """The state of one parameter of the optimizer, assembled from the slices of the names it holds.
+
+    A parameter without pieces (an original parameter that FSDP keeps on other ranks) gets no state here.
+
+    """
+    present = [piece for piece in param.pieces if piece.name in saved_state]
+    if not present:
+        return {}
+    if len(present) != len(param.pieces):
+        absent = next(piece.name for piece in param.pieces if piece.name not in saved_state)
+        raise ValueError(
+            f"The checkpoint's optimizer state has no entry for {absent!r} but has one for {present[0].name!r}, which"
+            " the same parameter holds: the optimizer state is incomplete."
+        )
+    keys = saved_state[present[0].name].keys()
+    scalars: dict[str, Any] = {}
+    flats: dict[str, Tensor] = {}
+    for piece in present:
+        shape = layout.shards[piece.name].shape
+        if saved_state[piece.name].keys() != keys:
+            raise ValueError(
+                f"The checkpoint's optimizer state of {piece.name!r} has the entries {sorted(saved_state[piece.name])},"
+                f" that of {present[0].name!r}, which the same parameter holds, has {sorted(keys)}: the optimizer"
+                " state is inconsistent."
+            )
+        for key, value in saved_state[piece.name].items():
+            if not _is_tensor(value) or len(_shape_of(value)) == 0:
+                if key in flats:
+                    raise ValueError(
+                        f"The checkpoint's optimizer state {key!r} of {piece.name!r} is a scalar, that of another"
+                        " tensor that the same parameter holds is not: the optimizer state is inconsistent."
+                    )
+                scalars.setdefault(key, _materialized(value))
                 continue
-            flat = local.setdefault(key, torch.zeros(param.numel(), dtype=value.dtype))
-            flat[offset : offset + numel] = _read_flat(value, start, start + numel)
-    for key, value in local.items():
-        if isinstance(value, Tensor) and value.dim() and value.numel() == param.numel():
-            local[key] = value.view(param.shape)
-    return local
+            if _shape_of(value) != shape:
+                raise ValueError(
+                    f"The checkpoint's optimizer state {key!r} of {piece.name!r} has shape {tuple(_shape_of(value))},"
+                    f" but the parameter has shape {tuple(shape)}. The optimizer state belongs to another model."
+                )
+            part = _read_part(value, piece.index, piece.numel).reshape(-1)
+            # elements that no piece writes (the padding of an FSDP shard) stay zero
+            flat = flats.setdefault(key, torch.zeros(param.numel, dtype=part.dtype))
+            flat[piece.offset : piece.offset + piece.numel] = part
+    return {**scalars, **{key: param.to_state(flat) for key, flat in flats.items()}}
 
 
-def _materialized(value: Any) -> Any:
-    """A tensor read from the checkpoint into memory of its own (a memory-mapped one would keep the file open)."""
-    return value.clone() if isinstance(value, Tensor) else value
+def _is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor or a lazily read one (a slice with ``get_shape()``, as safetensors gives)."""
+    return isinstance(value, Tensor) or hasattr(value, "get_shape")
+
+
+def _materialized(value: Any, like: Any = None) -> Any:
+    """A value read from the checkpoint into memory of its own (a memory-mapped tensor would keep the file open).
+
+    A tensor lands on the device of the optimizer's current value ``like`` where that is a tensor: the optimizer takes
+    its groups' hyperparameters (``lr=torch.tensor(0.01)``) as they are.
+
+    """
+    if isinstance(value, (list, tuple)) and isinstance(like, (list, tuple)) and len(value) == len(like):
+        return type(value)(_materialized(item, current) for item, current in zip(value, like))
+    if not _is_tensor(value):
+        return value
+    tensor = _read_box(value, ()).clone()
+    return tensor.to(like.device) if isinstance(like, Tensor) else tensor

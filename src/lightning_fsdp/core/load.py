@@ -28,6 +28,7 @@ from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor
 
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol, _load
+from lightning.fabric.utilities.load import _NotYetLoadedTensor
 from lightning.fabric.utilities.types import _PATH
 
 _SAFETENSORS_AVAILABLE = RequirementCache("safetensors")
@@ -171,3 +172,8 @@ def _read_flat(value: Any, start: int, stop: int) -> Tensor:
 def _read_box(value: Any, box: tuple[slice, ...]) -> Tensor:
     """The sub-tensor ``value[box]``, reading only what it holds from a lazy source."""
     return value[box] if box else value[...]
+
+
+def _is_raw_state_dict(checkpoint: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint is a module state dict alone (``torch.save(model.state_dict())``): every value a tensor."""
+    return bool(checkpoint) and all(isinstance(value, (Tensor, _NotYetLoadedTensor)) for value in checkpoint.values())

@@ -1,7 +1,6 @@
 import argparse
 import gc
 import json
-from unittest import mock
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch.nn as nn
 from lightning.fabric.accelerators import CPUAccelerator
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning_fsdp.core.fsdp import FSDPStrategy, _load_full_checkpoint
+from lightning_fsdp.core.fsdp import FSDPStrategy, _fsdp_layout, _load_full_checkpoint, _load_module_state
 from tests_fabric.helpers.runif import RunIf
 
 
@@ -67,10 +66,15 @@ def _assert_equal_state(actual, expected):
         torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=0)
 
 
-def _write_raw_files(path):
+def _write_torch_files(path):
     state_dict = _model().state_dict()
     torch.save(state_dict, path / "model.pt")
     torch.save(state_dict, path / "legacy.pt", _use_new_zipfile_serialization=False)
+    return state_dict
+
+
+def _write_safetensors_files(path):
+    state_dict = _model().state_dict()
     _save_safetensors(state_dict, path / "model.safetensors")
     first, second = list(state_dict)[:2], list(state_dict)[2:]
     _save_safetensors({k: state_dict[k] for k in first}, path / "model-00001-of-00002.safetensors")
@@ -78,12 +82,11 @@ def _write_raw_files(path):
     weight_map = dict.fromkeys(first, "model-00001-of-00002.safetensors")
     weight_map.update(dict.fromkeys(second, "model-00002-of-00002.safetensors"))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return state_dict
 
 
-def _run_load_raw(strategy, tmp_path):
+def _run_load_raw(strategy, tmp_path, names):
     expected = _model().state_dict()
-    for name in ("model.pt", "legacy.pt", "model.safetensors", "model.safetensors.index.json"):
+    for name in names:
         model = _sharded(strategy)
         strategy.load_checkpoint(tmp_path / name, model)
         _assert_equal_state(_full_state_dict(model), expected)
@@ -93,10 +96,50 @@ def _run_load_raw(strategy, tmp_path):
 
 
 @RunIf(min_torch="2.4")
-def test_fsdp_load_raw_state_dict_shard_local(tmp_path):
-    """A raw state dict loads into an FSDP model from a torch file (zip or legacy), safetensors or an index."""
-    _write_raw_files(tmp_path)
-    _spawn_on_cpu(_run_load_raw, tmp_path)
+def test_fsdp_load_raw_state_dict(tmp_path):
+    """A raw state dict (``torch.save(model.state_dict())``, zip or legacy format) loads with both load methods."""
+    _write_torch_files(tmp_path)
+    _spawn_on_cpu(_run_load_raw, tmp_path, ["model.pt", "legacy.pt"])
+
+
+@RunIf(min_torch="2.4")
+def test_fsdp_load_safetensors_and_hf_index(tmp_path):
+    """A ``.safetensors`` file and a Hugging Face index (the file or its folder) load with both load methods."""
+    _write_safetensors_files(tmp_path)
+    _spawn_on_cpu(_run_load_raw, tmp_path, ["model.safetensors", "model.safetensors.index.json", ""])
+
+
+class _CountingSource:
+    """A tensor of a lazily read checkpoint that counts the elements read from it."""
+
+    read = 0
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def get_shape(self):
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index):
+        value = self.tensor[index]
+        _CountingSource.read += value.numel()
+        return value
+
+
+def _run_reads_own_shards(strategy):
+    model = _sharded(strategy)
+    # rows of 7 elements: a rank whose shard starts or ends inside a row reads that row whole
+    state_dict = {name: _CountingSource(tensor) for name, tensor in _model().state_dict().items()}
+    _load_module_state(state_dict, model, _fsdp_layout(model))
+    total = sum(tensor.numel() for tensor in _model().state_dict().values())
+    assert 0 < _CountingSource.read < total * 3 // 4
+    _assert_equal_state(_full_state_dict(model), _model().state_dict())
+
+
+@RunIf(min_torch="2.4")
+def test_fsdp_load_reads_only_own_shards():
+    """Each rank reads from the checkpoint only the rows that hold its shard of each tensor."""
+    _spawn_on_cpu(_run_reads_own_shards)
 
 
 def _run_load_full_checkpoint(strategy, tmp_path, use_orig_params):
@@ -182,7 +225,7 @@ def _run_error_on_one_rank(strategy, tmp_path):
         error, match = RuntimeError, "PytorchStreamReader failed reading zip archive"
     with pytest.raises(error, match=match):
         # called as the strategy calls it, past the broadcast of rank 0's path
-        _load_full_checkpoint(path, {"model": model}, True, None, strategy.local_rank, 2)
+        _load_full_checkpoint(strategy, path, model, _fsdp_layout(model), None, True, None)
     if strategy.global_rank == 1:
         # the rank whose file could not be read left its shards as they were
         for param, previous in zip(model.parameters(), before):
@@ -191,26 +234,83 @@ def _run_error_on_one_rank(strategy, tmp_path):
 
 @RunIf(min_torch="2.4")
 def test_fsdp_load_error_on_one_rank_raises_on_every_rank(tmp_path):
-    _write_raw_files(tmp_path)
+    _write_torch_files(tmp_path)
     data = (tmp_path / "model.pt").read_bytes()
     (tmp_path / "truncated.pt").write_bytes(data[: len(data) // 2])
     _spawn_on_cpu(_run_error_on_one_rank, tmp_path)
 
 
-def test_fsdp_module_init_context_sets_own_device(monkeypatch):
-    """Tensors created on ``"cuda"`` inside ``init_module`` land on the rank's own GPU (CUDA mocked)."""
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    strategy = FSDPStrategy(
-        parallel_devices=[torch.device("cuda", 0), torch.device("cuda", 1)],
-        cluster_environment=LightningEnvironment(),
-    )
-    with (
-        mock.patch("torch.cuda.device") as cuda_device,
-        mock.patch.object(FSDPStrategy.__mro__[1], "module_init_context", return_value=mock.MagicMock()),
-        strategy.module_init_context(empty_init=False),
-    ):
-        pass
-    cuda_device.assert_called_once_with(torch.device("cuda", 1))
+def _nested(strategy, use_orig_params):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = _model()
+    for param in model.parameters():
+        torch.nn.init.zeros_(param)
+    # the inner unit comes first in the flat parameters' order, last but one in the model's: the order of an
+    # optimizer state keyed by index is the model's
+    model[2] = FullyShardedDataParallel(model[2], device_id=strategy.root_device, use_orig_params=use_orig_params)
+    model = FullyShardedDataParallel(model, device_id=strategy.root_device, use_orig_params=use_orig_params)
+    return strategy.setup_module(model)
+
+
+def _run_int_keyed_optimizer_state(strategy, tmp_path, use_orig_params):
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = _nested(strategy, use_orig_params)
+    before = _full_state_dict(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.5)
+    # a full checkpoint whose optimizer has more parameter groups than this one is refused before anything is written
+    with pytest.raises(ValueError, match="has 2 parameter group"):
+        strategy.load_checkpoint(tmp_path / "two_groups.ckpt", {"model": model, "optimizer": optimizer})
+    _assert_equal_state(_full_state_dict(model), before)
+    strategy.load_checkpoint(tmp_path / "single.ckpt", {"model": model, "optimizer": optimizer})
+    saved = torch.load(tmp_path / "single.ckpt")
+    _assert_equal_state(_full_state_dict(model), saved["model"])
+    config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+    optim_config = FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=False)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config, optim_config):
+        reloaded = FSDP.optim_state_dict(model, optimizer)
+    names = [name for name, _ in _model().named_parameters()]
+    assert reloaded["state"].keys() == set(names)
+    for index, name in enumerate(names):
+        _assert_equal_state(reloaded["state"][name], saved["optimizer"]["state"][index])
+    assert optimizer.param_groups[0]["lr"] == 0.01
+
+
+@RunIf(min_torch="2.4")
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_fsdp_load_optimizer_state_keyed_by_index(tmp_path, use_orig_params):
+    """An optimizer state saved without FSDP (keyed by parameter index) restores every parameter's state."""
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 5)).sum().backward()
+    optimizer.step()
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save(checkpoint, tmp_path / "single.ckpt")
+    checkpoint["optimizer"]["param_groups"].append({**checkpoint["optimizer"]["param_groups"][0], "params": []})
+    torch.save(checkpoint, tmp_path / "two_groups.ckpt")
+    _spawn_on_cpu(_run_int_keyed_optimizer_state, tmp_path, use_orig_params)
+
+
+def _run_master_errors(strategy, tmp_path):
+    model = _sharded(strategy)
+    before = _full_state_dict(model)
+    # a file that is neither a module state dict nor holds the requested key
+    with pytest.raises(KeyError, match="'model'"):
+        strategy.load_checkpoint(tmp_path / "other_key.ckpt", {"model": model})
+    # `load_raw` reads the file as the module's state dict, even where it holds a Fabric checkpoint
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "model", "step"'):
+        strategy.load_checkpoint(tmp_path / "fabric.ckpt", model)
+    _assert_equal_state(_full_state_dict(model), before)
+
+
+@RunIf(min_torch="2.4")
+def test_fsdp_load_keeps_errors_for_other_checkpoints(tmp_path):
+    """A checkpoint saved under another key, or a Fabric checkpoint given to ``load_raw``, raises as before."""
+    torch.save({"state_dict": _model().state_dict()}, tmp_path / "other_key.ckpt")
+    torch.save({"model": _model().state_dict(), "step": 1}, tmp_path / "fabric.ckpt")
+    _spawn_on_cpu(_run_master_errors, tmp_path)
 
 
 def _save_safetensors(tensors, path):

@@ -8,7 +8,8 @@ import torch.nn as nn
 
 from lightning.fabric import Fabric
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning_fsdp.core.model_parallel import ModelParallelStrategy, _load_dtensor_module_state
+from lightning_fsdp.core.fsdp import _load_module_state
+from lightning_fsdp.core.model_parallel import ModelParallelStrategy, _dtensor_layout
 from tests_fabric.helpers.runif import RunIf
 
 
@@ -93,10 +94,14 @@ def _assert_equal_state(actual, expected):
         torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=0)
 
 
-def _write_raw_files(path):
+def _write_torch_files(path):
     state_dict = _state_dict()
     torch.save(state_dict, path / "model.pt")
     torch.save(state_dict, path / "legacy.pt", _use_new_zipfile_serialization=False)
+
+
+def _write_safetensors_files(path):
+    state_dict = _state_dict()
     del state_dict["head.weight"]  # safetensors refuses tensors that share memory: the tied weight is saved once
     _save_safetensors(state_dict, path / "model.safetensors")
     first, second = list(state_dict)[:3], list(state_dict)[3:]
@@ -107,7 +112,7 @@ def _write_raw_files(path):
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _run_load_raw(fabric, tmp_path):
+def _run_load_torch_files(fabric, tmp_path):
     expected = _state_dict()
     for name in ("model.pt", "legacy.pt"):
         model = _setup(fabric)
@@ -116,19 +121,33 @@ def _run_load_raw(fabric, tmp_path):
         model = _setup(fabric)
         assert fabric.load(tmp_path / name, {"model": model}) == {}
         _assert_equal_state(_full_state(model), expected)
+
+
+def _run_load_safetensors_files(fabric, tmp_path):
+    expected = _state_dict()
     for name in ("model.safetensors", "model.safetensors.index.json", ""):
-        model = _setup(fabric)
         # the tied weight is written once, from the name that the file holds
+        model = _setup(fabric)
         fabric.load_raw(tmp_path / name, model, strict=False)
+        _assert_equal_state(_full_state(model), expected)
+        model = _setup(fabric)
+        assert fabric.load(tmp_path / name, {"model": model}, strict=False) == {}
         _assert_equal_state(_full_state(model), expected)
 
 
 @RunIf(min_torch="2.4")
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
-def test_model_parallel_load_raw_state_dict_shard_local(tmp_path, tensor_parallel_size):
-    """A raw state dict loads into a model of DTensors from a torch file (zip or legacy), safetensors or an index."""
-    _write_raw_files(tmp_path)
-    _launch(_fabric(tensor_parallel_size), _run_load_raw, tmp_path)
+def test_model_parallel_load_raw_state_dict(tmp_path, tensor_parallel_size):
+    """A raw state dict (``torch.save(model.state_dict())``, zip or legacy format) loads with both load methods."""
+    _write_torch_files(tmp_path)
+    _launch(_fabric(tensor_parallel_size), _run_load_torch_files, tmp_path)
+
+
+@RunIf(min_torch="2.4")
+def test_model_parallel_load_safetensors_and_hf_index(tmp_path):
+    """A ``.safetensors`` file and a Hugging Face index (the file or its folder) load with both load methods."""
+    _write_safetensors_files(tmp_path)
+    _launch(_fabric(), _run_load_safetensors_files, tmp_path)
 
 
 def _train_step(model, optimizer):
@@ -171,7 +190,7 @@ def _run_load_full_checkpoint(fabric, tmp_path):
     rest = [param for param in untouched.parameters() if param is not untouched.w1.weight]
     groups = [{"params": [untouched.w1.weight]}, {"params": rest}]
     state = {"model": untouched, "optimizer": torch.optim.Adam(groups)}
-    with pytest.raises(ValueError, match="has 1 parameter groups, the optimizer has 2"):
+    with pytest.raises(ValueError, match=r"has 1 parameter group\(s\), the optimizer has 2"):
         fabric.load(tmp_path / "full.ckpt", state)
     _assert_equal_state(_full_state(untouched), before)
 
@@ -226,7 +245,7 @@ class _CountingSource:
 def _run_reads_own_box(fabric):
     model = _setup(fabric)
     state_dict = {name: _CountingSource(tensor) for name, tensor in _state_dict().items()}
-    _load_dtensor_module_state(state_dict, model)
+    _load_module_state(state_dict, model, _dtensor_layout(model))
     local_numel = sum(tensor.to_local().numel() for tensor in model.parameters()) + model.scale.numel()
     assert _CountingSource.read == local_numel
     assert local_numel < sum(tensor.numel() for tensor in _state_dict().values())
@@ -236,6 +255,33 @@ def _run_reads_own_box(fabric):
 @RunIf(min_torch="2.4")
 def test_model_parallel_load_reads_only_own_shards():
     _launch(_fabric(), _run_reads_own_box)
+
+
+def _run_int_keyed_optimizer_state(fabric, tmp_path):
+    model = _setup(fabric)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.5)
+    fabric.load(tmp_path / "single.ckpt", {"model": model, "optimizer": optimizer})
+    saved = torch.load(tmp_path / "single.ckpt")["optimizer"]
+    params = list(model.parameters())
+    assert len(params) == len(saved["state"])
+    for index, param in enumerate(params):
+        for key, value in saved["state"][index].items():
+            loaded = optimizer.state[param][key]
+            loaded = loaded.full_tensor() if hasattr(loaded, "full_tensor") else loaded
+            torch.testing.assert_close(loaded, value, rtol=0, atol=0)
+    assert optimizer.param_groups[0]["lr"] == 0.01
+
+
+@RunIf(min_torch="2.4")
+def test_model_parallel_load_optimizer_state_keyed_by_index(tmp_path):
+    """An optimizer state saved without a strategy (keyed by parameter index) is restored into the DTensor shards."""
+    torch.manual_seed(0)
+    model = _Model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "single.ckpt")
+    _launch(_fabric(), _run_int_keyed_optimizer_state, tmp_path)
 
 
 def _save_safetensors(tensors, path):
