@@ -29,6 +29,7 @@ import itertools
 import os
 import socket
 from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -381,3 +382,13 @@ def _clean_name(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+def own_device_context(device: torch.device) -> AbstractContextManager:
+    """Make the rank's own GPU the current device, so that tensors created on ``"cuda"`` land there.
+
+    Launching already calls ``torch.cuda.set_device`` on the rank's device; this keeps ``init_module`` right where
+    something (a library, a user's code) changed the current device since.
+
+    """
+    return torch.cuda.device(device) if device.type == "cuda" else ExitStack()

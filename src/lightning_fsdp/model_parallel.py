@@ -17,7 +17,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -34,6 +34,7 @@ from lightning_fsdp.devices import (
     _check_cluster_environment,
     _check_distinct_devices,
     _check_placement,
+    own_device_context,
 )
 from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
@@ -107,6 +108,14 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
             timeout=timeout,
         )
         init_loading_options(self, load_concurrency, load_progress)
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """Upstream's context, with the rank's own GPU current (:func:`~lightning_fsdp.devices.own_device_context`)."""
+        stack = ExitStack()
+        stack.enter_context(own_device_context(self.root_device))
+        stack.enter_context(super().module_init_context(empty_init=empty_init))
+        return stack
 
     @override
     def setup_environment(self) -> None:

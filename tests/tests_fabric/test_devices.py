@@ -23,12 +23,12 @@ from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnv
 from torch import nn
 
 from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
-from lightning_fsdp.core.fsdp import _own_device_context
 from lightning_fsdp.devices import (
     _check_cluster_environment,
     _check_distinct_devices,
     _check_placement,
 )
+from lightning_fsdp.devices import own_device_context as _own_device_context
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import TinyTransformer, make_batch
 

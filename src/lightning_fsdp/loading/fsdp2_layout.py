@@ -71,6 +71,7 @@ def collect_dtensor_targets(module: Module) -> ModuleTargets:
         if _is_fsdp2_module(submodule):
             submodule.reshard()
     collector = TargetCollector()
+    collector.collected.param_names = [clean_name(name) for name, _ in module.named_parameters()]
     with torch.no_grad():
         for module_name, submodule in module.named_modules():
             for name, param in submodule._parameters.items():

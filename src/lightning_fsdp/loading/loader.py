@@ -283,13 +283,10 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
             continue  # absent and `strict=False`: left untouched
         saved = opened.entries[key]
         if collected is not None:
-            try:
-                optimizer_states[key] = local_optimizer_state(optimizer, collected, saved)
-                continue
-            except ShardLocalUnsupported as reason:
-                _warn_fallback(f"optimizer {key!r}: {reason}")
-        optimizer_states[key] = materialize(saved)
-        fallback.add(key)
+            optimizer_states[key] = local_optimizer_state(optimizer, collected, saved)
+        else:
+            optimizer_states[key] = materialize(saved)
+            fallback.add(key)
     written = frozenset(name for target in targets if target.names[0] in plan.sources for name in target.names)
     return _Prepared(plan, source, optimizer_states, fallback, written)
 

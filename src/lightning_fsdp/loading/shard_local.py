@@ -93,6 +93,9 @@ class ModuleTargets:
     targets: list[Target] = field(default_factory=list)
     optimizer_params: dict[int, OptimizerParam] = field(default_factory=dict)
     """``id(parameter)`` -> how to build its optimizer state, for every parameter an optimizer may hold."""
+    param_names: list[str] = field(default_factory=list)
+    """The parameters' names in the order of the unwrapped model's ``parameters()`` (an optimizer state keyed by
+    integers counts them so)."""
 
     def specs(self) -> list[TargetSpec]:
         return [target.spec for target in self.targets]
@@ -169,13 +172,13 @@ def collect_targets(module: Module) -> ModuleTargets:
 
     _check_flat_params(module)
     layout = _fsdp_layout(module)
-    collected = ModuleTargets()
+    collected = ModuleTargets(param_names=layout.param_names)
     targets: dict[str, Target] = {}
     for name, shard in layout.shards.items():
-        if shard.start < 0:  # a tensor that FSDP does not shard: copied whole
+        if not isinstance(shard.index, int):  # a tensor that FSDP does not shard: copied whole
             target = Target([name], tuple(shard.shape), shard.local.dtype, tensor=shard.local)
         else:
-            runs = [Run(shard.start, shard.local.numel(), 0)] if shard.local.numel() else []
+            runs = [Run(shard.index, shard.local.numel(), 0)] if shard.local.numel() else []
             target = Target([name], tuple(shard.shape), shard.local.dtype, local=shard.local, runs=runs)
         targets[name] = target
         collected.targets.append(target)
@@ -184,17 +187,17 @@ def collect_targets(module: Module) -> ModuleTargets:
             raise ShardLocalUnsupported(f"the tied parameter {primary!r} was not found in its FSDP unit")
         targets[primary].names.append(alias)
     for param in module.parameters():
-        pieces = layout.pieces.get(id(param))
-        if pieces is None:
+        core_param = layout.params.get(id(param))
+        if core_param is None:
             continue
         parts = [
-            (targets[piece.name], [Run(piece.start, piece.numel, piece.offset)] if piece.numel else [])
-            for piece in pieces
+            (targets[piece.name], [Run(piece.index, piece.numel, piece.offset)] if piece.numel else [])
+            for piece in core_param.pieces
         ]
         # An original parameter with no element on this rank (`use_orig_params=True`) gets no gradient here, so the
         # optimizer keeps no state for it on this rank (as after `FSDP.optim_state_dict_to_load`); a flat parameter
         # (`use_orig_params=False`) always has its flat state, shaped like the shard.
-        has_state = any(piece.numel for piece in pieces) or isinstance(param, FlatParameter)
+        has_state = any(piece.numel for piece in core_param.pieces) or isinstance(param, FlatParameter)
         collected.optimizer_params[id(param)] = OptimizerParam(param.numel(), parts, _viewed_as(param), has_state)
     collected.check_materialized()
     return collected

@@ -318,6 +318,22 @@ class TensorRef:
     def read_flat_into(self, start: int, out: torch.Tensor) -> None:
         self.source.read_flat_into(self.name, start, out)
 
+    def get_shape(self) -> list[int]:
+        """The shape, as a safetensors slice gives it: the core reads this like one (``value[rows]``)."""
+        return list(self.spec.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """All of the tensor (``...``), or a range of its rows (``start:stop``), read as a safetensors slice reads."""
+        if index is Ellipsis:
+            return self.read()
+        if isinstance(index, slice) and index.step in (None, 1) and self.spec.shape:
+            rows = self.spec.shape[0]
+            start, stop, _ = index.indices(rows)
+            stop = max(start, stop)
+            row = math.prod(self.spec.shape[1:])
+            return self.read_flat(start * row, stop * row).view(stop - start, *self.spec.shape[1:])
+        raise TypeError(f"A `TensorRef` reads `...` or a range of rows, not {index!r}.")
+
     def __repr__(self) -> str:
         return f"TensorRef({self.name!r}, shape={tuple(self.spec.shape)}, dtype={self.spec.dtype})"
 

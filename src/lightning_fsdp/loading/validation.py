@@ -307,6 +307,9 @@ def _outer_unit_tensors(module: Module) -> list[tuple[str, str | None]]:
         from torch.distributed.fsdp._flat_param import FlatParameter
     except ImportError:  # pragma: no cover (a torch release without FSDP1)
         return []
+    from lightning_fsdp.core.fsdp import _join as join
+    from lightning_fsdp.loading.shard_local import clean_name  # imported here: it imports this module
+
     inner_flat: set[int] = set()
     inner_params: set[int] = set()
     for submodule in module.modules():
@@ -323,12 +326,12 @@ def _outer_unit_tensors(module: Module) -> list[tuple[str, str | None]]:
             if param is None or isinstance(param, FlatParameter) or id(param) in inner_params:
                 continue
             if getattr(param, "_fsdp_flattened", False):
-                found.append((_clean(_join(module_name, name)), None))
+                found.append((clean_name(join(module_name, name)), None))
         for name, value in vars(submodule).items():
             # With `use_orig_params=False`, they are plain tensor attributes that view the outer flat parameter.
             base = getattr(value, "_base", None) if isinstance(value, torch.Tensor) else None
             if isinstance(base, FlatParameter) and id(base) not in inner_flat:
-                relative = _clean(_join(module_name, name))
+                relative = clean_name(join(module_name, name))
                 found.append((relative, _prefix_in(base, relative)))
     return found
 
@@ -726,16 +729,6 @@ def _leaving_out(plan: NamePlan) -> dict[str, str | None] | None:
 def _describe(aligned: Mapping[str, str]) -> str:
     (removed, added), *_ = aligned.items()
     return f"the prefix {removed!r} is removed from them" if removed else f"the prefix {added!r} is added to them"
-
-
-def _clean(name: str) -> str:
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-    return clean_tensor_name(name)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _shape(shape: tuple[int, ...]) -> str:
