@@ -8,9 +8,9 @@ module-level definitions of the core verbatim into their destination module (rep
 same name in place, or appending after the last definition), adds the imports they need, applies the few
 statement-level edits of master's methods (located with ``ast``; a missing anchor is an error), carries the named test
 functions (with the module-level helpers and fixtures they use) into Lightning's test files, inserts the docs
-fragments into Lightning's pages and the CHANGELOG line under its heading, then runs ``ruff check --fix --select
-I,F401`` and ``ruff format`` with the tree's own configuration, and checks the result with ``ruff check --select F``.
-It prints the lines each PR changes. ``--only N`` stops after PR N. A tree without ``tests/`` (an unpacked sdist) gets
+fragments into Lightning's pages, the ``lines`` into requirements files and the CHANGELOG line under its heading,
+then runs ``ruff check --fix --select I,F401`` and ``ruff format`` with the tree's own configuration, and checks the
+result with ``ruff check --select F``. It prints the lines each PR changes. ``--only N`` stops after PR N. A tree without ``tests/`` (an unpacked sdist) gets
 the source changes, and the CHANGELOG and docs where they exist; its test edits and carried tests are skipped, and
 one note says so.
 """
@@ -365,6 +365,15 @@ def apply_pr(tree: Path, pr: dict, manifest: dict, config: Path, ruff: str) -> d
         dest = target(entry["page"])
         fragment = (Path(__file__).resolve().parents[1] / entry["fragment"]).read_text()  # beside the tool
         dest.text = insert_doc(dest.text, fragment, entry.get("before"))
+    for entry in pr.get("lines", []):
+        # a requirement added to a requirements file (appended where the file lacks it)
+        page = tree / entry["file"]
+        if not page.is_file():
+            print(f"  note: {entry['file']} absent, line not added")
+            continue
+        dest = target(entry["file"])
+        if entry["line"] not in dest.text.splitlines():
+            dest.text = dest.text.rstrip("\n") + "\n" + entry["line"] + "\n"
     log = tree / manifest["changelog"]
     if "changelog" in pr and log.is_file():
         target(manifest["changelog"]).text = changelog(log.read_text(), *pr["changelog"])
@@ -400,11 +409,12 @@ def apply_pr(tree: Path, pr: dict, manifest: dict, config: Path, ruff: str) -> d
 
 
 def numstat(before: dict[str, str], tree: Path) -> dict[str, list[int]]:
-    """Lines added and removed per kind (src, tests, docs with the CHANGELOG)."""
+    """Lines added and removed per kind (src, tests with the test requirements, docs with the CHANGELOG)."""
     counts = {"src": [0, 0], "tests": [0, 0], "docs": [0, 0]}
     for relative, old in before.items():
         new = (tree / relative).read_text() if (tree / relative).exists() else ""
         kind = "docs" if relative.startswith("docs/") or relative.endswith("CHANGELOG.md") else relative.split("/")[0]
+        kind = "tests" if kind == "requirements" else kind
         for line in difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0):
             if line[:1] in "+-" and line[:3] not in ("+++", "---"):
                 counts[kind][line[0] == "-"] += 1
@@ -415,7 +425,7 @@ def files_of(pr: dict, manifest: dict) -> set[str]:
     """The tree's files a PR may touch."""
     destinations = manifest["destinations"]
     files = {destinations[e["core"]] for e in pr.get("definitions", []) + pr.get("tests", [])}
-    files |= {e["file"] for e in pr.get("edits", [])} | {e["page"] for e in pr.get("docs", [])}
+    files |= {e["file"] for e in pr.get("edits", []) + pr.get("lines", [])} | {e["page"] for e in pr.get("docs", [])}
     return files | {manifest["changelog"]} if "changelog" in pr else files
 
 
