@@ -64,13 +64,16 @@ class FSDPStrategy(_FSDPStrategy):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         if isinstance(state, Module) or (isinstance(state, dict) and state):
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
             path = self.broadcast(path)
-            module = state if isinstance(state, Module) else _single_module(state, _has_fsdp_modules)
-            if module is not None and (_is_full_checkpoint(Path(path)) or _find_hf_index(path) is not None):
-                raw = isinstance(state, Module)
-                return _load_full_checkpoint(
-                    self, path, module, _fsdp_layout(module), None if raw else state, strict, weights_only
-                )
+            is_file = _is_full_checkpoint(Path(path)) or _find_hf_index(path) is not None
+            if isinstance(state, FullyShardedDataParallel) and is_file:
+                _load_full_checkpoint(self, path, state, _fsdp_layout(state), None, strict, weights_only)
+                return {}
+            module = _single_module(state, _has_fsdp_modules) if isinstance(state, dict) else None
+            if module is not None and is_file:
+                return _load_full_checkpoint(self, path, module, _fsdp_layout(module), state, strict, weights_only)
         return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 
@@ -120,7 +123,7 @@ def _load_full_checkpoint(
     mmappable = strategy.broadcast(_is_mmappable(path))
     if mmappable:
         return _run_in_turn(load, strategy, turn=0, turns=1)
-    return _run_in_turn(load, strategy, turn=strategy.local_rank, turns=strategy.num_processes)
+    return _run_in_turn(load, strategy, turn=strategy.local_rank, turns=max(strategy.num_processes, 1))
 
 
 def _load_full_checkpoint_into(
@@ -305,7 +308,7 @@ def _fsdp_layout(module: Module) -> _Layout:
             whole[id(tensor)] = full_name
             layout.shards[full_name] = _Shard(tensor.shape, tensor, ())
             if name in submodule._parameters:
-                piece = _Piece(full_name, 0, tensor.numel(), ())
+                piece = _Piece(full_name, 0, tensor.numel(), 0)
                 layout.params[id(tensor)] = _Param([piece], tensor.numel(), partial(_viewed_as, tensor.shape))
                 order[full_name] = (positions[prefix], i)
     layout.param_names.extend(sorted(order, key=order.__getitem__))

@@ -50,11 +50,13 @@ class ModelParallelStrategy(_ModelParallelStrategy):
     ) -> dict[str, Any]:
         if isinstance(state, Module) or (isinstance(state, dict) and state):
             path = self.broadcast(path)
-            module = state if isinstance(state, Module) else _single_module(state, _has_dtensor_modules)
-            if module is not None and (_is_full_checkpoint(Path(path)) or _find_hf_index(path) is not None):
-                layout = _dtensor_layout(module)
-                raw = isinstance(state, Module)
-                return _load_full_checkpoint(self, path, module, layout, None if raw else state, strict, weights_only)
+            is_file = _is_full_checkpoint(Path(path)) or _find_hf_index(path) is not None
+            if isinstance(state, Module) and _has_dtensor_modules(state) and is_file:
+                _load_full_checkpoint(self, path, state, _dtensor_layout(state), None, strict, weights_only)
+                return {}
+            module = _single_module(state, _has_dtensor_modules) if isinstance(state, dict) else None
+            if module is not None and is_file:
+                return _load_full_checkpoint(self, path, module, _dtensor_layout(module), state, strict, weights_only)
         return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
 
 

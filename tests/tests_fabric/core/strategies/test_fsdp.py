@@ -97,9 +97,16 @@ def _run_load_raw(strategy, tmp_path, names):
 
 @RunIf(min_torch="2.4")
 def test_fsdp_load_raw_state_dict(tmp_path):
-    """A raw state dict (``torch.save(model.state_dict())``, zip or legacy format) loads with both load methods."""
+    """A raw state dict (``torch.save(model.state_dict())``) loads with both load methods."""
     _write_torch_files(tmp_path)
-    _spawn_on_cpu(_run_load_raw, tmp_path, ["model.pt", "legacy.pt"])
+    _spawn_on_cpu(_run_load_raw, tmp_path, ["model.pt"])
+
+
+@RunIf(min_torch="2.4")
+def test_fsdp_load_legacy_format_in_turns(tmp_path):
+    """A file in the legacy format, which cannot be memory-mapped, is read whole by one rank of a node at a time."""
+    _write_torch_files(tmp_path)
+    _spawn_on_cpu(_run_load_raw, tmp_path, ["legacy.pt"])
 
 
 @RunIf(min_torch="2.4")

@@ -112,9 +112,9 @@ def _write_safetensors_files(path):
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _run_load_torch_files(fabric, tmp_path):
+def _run_load_torch_files(fabric, tmp_path, names):
     expected = _state_dict()
-    for name in ("model.pt", "legacy.pt"):
+    for name in names:
         model = _setup(fabric)
         fabric.load_raw(tmp_path / name, model)
         _assert_equal_state(_full_state(model), expected)
@@ -138,9 +138,16 @@ def _run_load_safetensors_files(fabric, tmp_path):
 @RunIf(min_torch="2.4")
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_model_parallel_load_raw_state_dict(tmp_path, tensor_parallel_size):
-    """A raw state dict (``torch.save(model.state_dict())``, zip or legacy format) loads with both load methods."""
+    """A raw state dict (``torch.save(model.state_dict())``) loads with both load methods."""
     _write_torch_files(tmp_path)
-    _launch(_fabric(tensor_parallel_size), _run_load_torch_files, tmp_path)
+    _launch(_fabric(tensor_parallel_size), _run_load_torch_files, tmp_path, ["model.pt"])
+
+
+@RunIf(min_torch="2.4")
+def test_model_parallel_load_legacy_format_in_turns(tmp_path):
+    """A file in the legacy format, which cannot be memory-mapped, is read whole by one rank of a node at a time."""
+    _write_torch_files(tmp_path)
+    _launch(_fabric(), _run_load_torch_files, tmp_path, ["legacy.pt"])
 
 
 @RunIf(min_torch="2.4")
