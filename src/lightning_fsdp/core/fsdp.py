@@ -226,11 +226,17 @@ class _Piece(NamedTuple):
 
 
 class _Param(NamedTuple):
-    """A parameter that an optimizer holds: the pieces of its ``numel`` local elements, and the state they make."""
+    """A parameter that an optimizer holds: the pieces of its ``numel`` local elements, and the state they make.
+
+    ``stateful`` is ``False`` for an original FSDP parameter with no element on this rank: it gets no gradient here, so
+    the optimizer keeps no state for it here (as after ``FSDP.optim_state_dict_to_load``).
+
+    """
 
     pieces: list[_Piece]
     numel: int
     to_state: Callable[[Tensor], Tensor]
+    stateful: bool = True
 
 
 class _Layout(NamedTuple):
@@ -286,9 +292,9 @@ def _fsdp_layout(module: Module) -> _Layout:
                 layout.shards[name] = _Shard(shape, local_shard[piece.offset : piece.offset + piece.numel], piece.index)
                 order[name] = (positions[name.rpartition(".")[0]], i)
                 if param is not None:
-                    # an original parameter with no element here gets no gradient here: the optimizer keeps no state
-                    own = [piece._replace(offset=0)] if piece.numel else []
-                    layout.params[id(param)] = _Param(own, param.numel(), partial(_viewed_as, param.shape))
+                    to_state = partial(_viewed_as, param.shape)
+                    own = _Param([piece._replace(offset=0)], param.numel(), to_state, stateful=piece.numel > 0)
+                    layout.params[id(param)] = own
             layout.params[id(flat_param)] = _Param(pieces, flat_param.numel(), partial(_viewed_as, flat_param.shape))
             for shared in flat_param._shared_param_infos:
                 primary = _join(prefix, _join(shared.prim_module_name, shared.prim_param_name))
@@ -427,13 +433,9 @@ def _state_by_name(saved_state: Mapping[int, Any], names: Sequence[str]) -> dict
 
 
 def _local_param_state(saved_state: Mapping[str, Any], param: _Param, layout: _Layout) -> dict[str, Any]:
-    """The state of one parameter of the optimizer, assembled from the slices of the names it holds.
-
-    A parameter without pieces (an original parameter that FSDP keeps on other ranks) gets no state here.
-
-    """
+    """The state of one parameter of the optimizer, assembled from the slices of the names it holds."""
     present = [piece for piece in param.pieces if piece.name in saved_state]
-    if not present:
+    if not param.stateful or not present:
         return {}
     if len(present) != len(param.pieces):
         absent = next(piece.name for piece in param.pieces if piece.name not in saved_state)

@@ -58,5 +58,5 @@ def core_layout(collected: ModuleTargets) -> _Layout:
             pieces.extend(_Piece(name, run.offset, run.count, run.start) for run in runs)
             if not runs:  # the rank holds no element of it: listed all the same, its state must be there too
                 pieces.append(_Piece(name, 0, 0, 0))
-        params[key] = _Param(pieces if param.has_state else [], param.numel, param.to_state)
+        params[key] = _Param(pieces, param.numel, param.to_state, param.has_state)
     return _Layout(shards, {}, params, collected.param_names)

@@ -168,8 +168,6 @@ def collect_targets(module: Module) -> ModuleTargets:
         CheckpointLoadError: If a tensor is still on the meta device (the module was not set up).
 
     """
-    from torch.distributed.fsdp._flat_param import FlatParameter
-
     _check_flat_params(module)
     layout = _fsdp_layout(module)
     collected = ModuleTargets(param_names=layout.param_names)
@@ -194,11 +192,10 @@ def collect_targets(module: Module) -> ModuleTargets:
             (targets[piece.name], [Run(piece.index, piece.numel, piece.offset)] if piece.numel else [])
             for piece in core_param.pieces
         ]
-        # An original parameter with no element on this rank (`use_orig_params=True`) gets no gradient here, so the
-        # optimizer keeps no state for it on this rank (as after `FSDP.optim_state_dict_to_load`); a flat parameter
-        # (`use_orig_params=False`) always has its flat state, shaped like the shard.
-        has_state = any(piece.numel for piece in core_param.pieces) or isinstance(param, FlatParameter)
-        collected.optimizer_params[id(param)] = OptimizerParam(param.numel(), parts, _viewed_as(param), has_state)
+        # the core's answer: an original parameter with no element on this rank keeps no optimizer state here
+        collected.optimizer_params[id(param)] = OptimizerParam(
+            param.numel(), parts, _viewed_as(param), core_param.stateful
+        )
     collected.check_materialized()
     return collected
 
