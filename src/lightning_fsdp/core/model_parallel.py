@@ -51,7 +51,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         if isinstance(state, Module) or (isinstance(state, dict) and state):
             path = self.broadcast(path)
             is_file = _is_full_checkpoint(Path(path)) or _find_hf_index(path) is not None
-            if isinstance(state, Module) and _has_dtensor_modules(state) and is_file:
+            if is_file and isinstance(state, Module) and _has_dtensor_modules(state):
                 _load_full_checkpoint(self, path, state, _dtensor_layout(state), None, strict, weights_only)
                 return {}
             module = _single_module(state, _has_dtensor_modules) if isinstance(state, dict) else None
