@@ -392,3 +392,11 @@ def own_device_context(device: torch.device) -> AbstractContextManager:
 
     """
     return torch.cuda.device(device) if device.type == "cuda" else ExitStack()
+
+
+def on_own_device(device: torch.device, context: AbstractContextManager) -> AbstractContextManager:
+    """``context`` (a strategy's ``module_init_context``) entered with the rank's own GPU current."""
+    stack = ExitStack()
+    stack.enter_context(own_device_context(device))
+    stack.enter_context(context)
+    return stack

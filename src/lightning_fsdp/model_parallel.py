@@ -17,7 +17,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -34,7 +34,7 @@ from lightning_fsdp.devices import (
     _check_cluster_environment,
     _check_distinct_devices,
     _check_placement,
-    own_device_context,
+    on_own_device,
 )
 from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
@@ -111,11 +111,8 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """Upstream's context, with the rank's own GPU current (:func:`~lightning_fsdp.devices.own_device_context`)."""
-        stack = ExitStack()
-        stack.enter_context(own_device_context(self.root_device))
-        stack.enter_context(super().module_init_context(empty_init=empty_init))
-        return stack
+        """Upstream's context, with the rank's own GPU current (:func:`~lightning_fsdp.devices.on_own_device`)."""
+        return on_own_device(self.root_device, super().module_init_context(empty_init=empty_init))
 
     @override
     def setup_environment(self) -> None:
