@@ -95,10 +95,11 @@ def _load_full_checkpoint(
 
     A file that can be read lazily (a zip-format ``torch.save`` file, safetensors, a Hugging Face index) is opened on
     every rank at once; one that has to be read whole (the legacy ``torch.save`` format, a file in object storage) is
-    read by one rank of a node at a time, so that a node never holds more than one copy. Everything that can fail is
-    checked before anything is written: a failed load leaves the model and the optimizers as they were. An error on
-    one rank is raised on every rank. The ranks wait for each other in collectives of the default process group (a
-    barrier per turn, one ``all_gather_object``), which the group's timeout bounds (the strategy's ``timeout``).
+    read by one rank of a node at a time, so that a node never holds more than one copy. On each rank, everything that
+    can fail is checked before anything is written: a rank whose load fails leaves its model and optimizers as they
+    were (in turns, the ranks before it may have loaded). An error on one rank is raised on every rank. The ranks wait
+    for each other in collectives of the default process group (a broadcast, a barrier per turn, one
+    ``all_gather_object``), which the group's timeout bounds (the strategy's ``timeout``).
 
     Args:
         strategy: The strategy: its local rank and number of processes set the turns.
