@@ -60,7 +60,7 @@ def _state_dict_type(model):
     return FSDP.state_dict_type(
         model._forward_module,
         StateDictType.FULL_STATE_DICT,
-        # gathered on the GPU and copied to the CPU as Lightning saves it; on CPU ranks (a dry run), offloading
+        # gathered on the GPU and copied to the CPU as Lightning saves it; on CPU ranks (gloo), offloading
         # segfaults in torch 2.13, so the gathered tensors are copied by `_full_state`
         FullStateDictConfig(offload_to_cpu=torch.cuda.is_available(), rank0_only=False),
         FullOptimStateDictConfig(offload_to_cpu=torch.cuda.is_available(), rank0_only=False),
