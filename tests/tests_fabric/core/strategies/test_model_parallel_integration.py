@@ -182,12 +182,29 @@ def test_shard_local_load_optimizer_state_keyed_by_index(tmp_path, tensor_parall
     _run_load_optimizer_state_keyed_by_index(fabric, tmp_path)
 
 
+def _tagged_with_every_gpu(state_dict):
+    """The tensors put on the GPUs in turn, so that the file's storages are tagged ``cuda:0``, ``cuda:1``, ..."""
+    count = torch.cuda.device_count()
+    return {name: tensor.to(torch.device("cuda", i % count)) for i, (name, tensor) in enumerate(state_dict.items())}
+
+
+def _other_gpus(fabric):
+    if fabric.device.type != "cuda":
+        return []
+    return [index for index in range(torch.cuda.device_count()) if index != fabric.device.index]
+
+
 def _run_load_raw_state_dict(fabric, tmp_path):
     path = Path(fabric.broadcast(str(tmp_path / "model.pt")))
     expected = _source_model().state_dict()
     if fabric.global_rank == 0:
-        torch.save(expected, path)
+        # on GPUs, a file saved from GPUs: a rank must read it without allocating memory on another rank's GPU
+        torch.save(_tagged_with_every_gpu(expected) if fabric.device.type == "cuda" else expected, path)
     fabric.barrier()
+    allocated = {}
+    for index in _other_gpus(fabric):
+        torch.cuda.reset_peak_memory_stats(index)
+        allocated[index] = torch.cuda.memory_allocated(index)
 
     model, _ = _setup(fabric)
     fabric.load_raw(path, model)
@@ -196,6 +213,9 @@ def _run_load_raw_state_dict(fabric, tmp_path):
     model, _ = _setup(fabric, empty_init=True)
     assert fabric.load(path, {"model": model}) == {}
     _assert_equal_module_state(fabric, model, expected)
+    # not a byte more on another GPU at any time during the loads
+    for index, before in allocated.items():
+        assert torch.cuda.max_memory_allocated(index) == before
 
 
 @RunIf(min_torch="2.4", min_cuda_gpus=2, standalone=True)
