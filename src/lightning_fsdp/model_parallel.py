@@ -19,6 +19,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -183,10 +184,15 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
 
         A full checkpoint (``save_distributed_checkpoint=False``) is written by every rank, each its own slices,
         without a gather (:func:`lightning_fsdp.saving.save_full_checkpoint`); where that cannot serve the state,
-        upstream's gather on rank 0 runs.
+        upstream's gather on rank 0 runs. Upstream's checks of the arguments and the path come first, in its order:
+        a path that is a directory but not a sharded checkpoint raises upstream's ``IsADirectoryError`` before the
+        state is read.
 
         """
         if not self._save_distributed_checkpoint and storage_options is None:
+            path = self.broadcast(path)
+            if Path(path).is_dir() and not _upstream._is_sharded_checkpoint(Path(path)):
+                return super().save_checkpoint(path, state, filter=filter)  # upstream's error
             modules = [obj for obj in state.values() if isinstance(obj, Module) and has_dtensor_params(obj)]
             if len(modules) == 1:
                 from lightning_fsdp.saving import save_full_checkpoint

@@ -214,6 +214,16 @@ def test_save_full_checkpoint_refuses_a_directory_as_upstream(tmp_path, launched
     assert isinstance(error, IsADirectoryError)
 
 
+@pytest.mark.parametrize("cls", [UpstreamModelParallelStrategy, ModelParallelStrategy])
+def test_model_parallel_save_refuses_a_directory_before_reading_the_state(tmp_path, cls):
+    """Lightning's own `test_save_checkpoint_path_exists`: the path is checked before `state` is read (a `Mock`)."""
+    (tmp_path / "not-empty").mkdir()
+    (tmp_path / "not-empty" / "file").touch()
+    strategy = cls(parallelize_fn=lambda model, _: model, save_distributed_checkpoint=False)
+    with pytest.raises(IsADirectoryError, match="exists and is a directory"):
+        strategy.save_checkpoint(path=tmp_path / "not-empty", state=mock.Mock())
+
+
 @mock.patch("lightning.fabric.strategies.fsdp.torch.save")
 @mock.patch("lightning.fabric.strategies.fsdp._get_full_state_dict_context")
 def test_save_checkpoint_without_devices_is_upstreams(full_context, torch_save, tmp_path):
