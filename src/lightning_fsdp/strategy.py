@@ -138,6 +138,14 @@ class FSDPStrategy(_CoreFSDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self.root_device.type == "cpu" and self.cpu_offload.offload_params:
+            # FSDP accepts it and fails at the first forward, deep inside torch: refuse it before any process group
+            raise ValueError(
+                "`FSDPStrategy(cpu_offload=True)` moves the parameters from an accelerator to host memory, and this"
+                ' strategy runs on CPU (`accelerator="cpu"`), where FSDP would fail at the first forward ("Cannot'
+                ' access accelerator device when none is available"). On CPU the parameters are in host memory'
+                ' already: remove `cpu_offload=True`, or run on GPUs (`accelerator="cuda"`).'
+            )
         # Refuse ranks that would share a device before one is selected and before the process group is joined.
         _check_cluster_environment(self.cluster_environment, self.parallel_devices, self.num_nodes)
         # Upstream builds a tuple ``device_mesh`` on CUDA unconditionally; build it for the device type in use.

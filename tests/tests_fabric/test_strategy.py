@@ -122,3 +122,11 @@ def _upstream_wrap_on_cpu() -> str:
 def test_cpu_wrapping_works_where_upstream_arguments_fail():
     (error,) = run_distributed(_upstream_wrap_on_cpu, devices=1)
     assert "FSDP needs a non-CPU accelerator device" in error
+
+
+def test_cpu_offload_on_cpu_ranks_is_refused_before_the_process_group():
+    """FSDP accepts `cpu_offload=True` on CPU and fails at the first forward; the strategy refuses it at launch."""
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=FSDPStrategy(cpu_offload=True))
+    with pytest.raises(ValueError, match=r"`FSDPStrategy\(cpu_offload=True\)` moves the parameters .* remove"):
+        fabric.launch()
+    assert not torch.distributed.is_initialized()
