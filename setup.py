@@ -36,6 +36,8 @@ setup(
         f"torch>={torch_min}",
         "safetensors>=0.4",
         "tqdm>=4.66",
+        # `fabric run` (the launcher the multi-node guide starts with) imports click, which `lightning` does not install
+        "click>=8.1",
         "typing-extensions>=4.4",
     ],
     extras_require={
@@ -45,7 +47,6 @@ setup(
             "pytest-xdist>=3.5",  # `make test` runs the suite in two processes
             "ruff>=0.17,<0.18",
             "psutil>=5.9",
-            "click>=8.1",
             # 5.1 is the first release whose models, created on the meta device, tie their weights as on CPU.
             "transformers>=5.1,<6",
             # A real S3 API on loopback (moto's server) and its client, for the tests of remote checkpoints.

@@ -44,3 +44,14 @@ def test_import_with_torch_dist_unavailable():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"imported {len(lightning_fsdp.__all__)} FSDPStrategy ModelParallelStrategy" in result.stdout
+
+
+def test_the_launcher_of_the_guides_works_after_the_install():
+    """`fabric run` imports click, which `lightning` does not install: this package's install brings it."""
+    from importlib.metadata import requires
+
+    requirements = [r for r in requires("lightning-fsdp") or [] if "extra ==" not in r]
+    assert any(r.replace(" ", "").startswith("click") for r in requirements), requirements
+    from lightning.fabric.cli import _main
+
+    assert callable(_main)
