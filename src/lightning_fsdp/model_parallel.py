@@ -197,8 +197,9 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
             if len(modules) == 1:
                 from lightning_fsdp.saving import save_full_checkpoint
 
-                if save_full_checkpoint(self, path, state, filter, modules[0], fsdp2=True):
-                    return
+                with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
+                    if save_full_checkpoint(self, path, state, filter, modules[0], fsdp2=True):
+                        return
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override

@@ -230,8 +230,10 @@ class FSDPStrategy(_CoreFSDPStrategy):
         if self._state_dict_type == "full" and storage_options is None and self.parallel_devices is not None:
             from lightning_fsdp.saving import save_full_checkpoint
 
-            if save_full_checkpoint(self, path, state, filter, _single_fsdp_module(state, saving=True), fsdp2=False):
-                return None
+            module = _single_fsdp_module(state, saving=True)
+            with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
+                if save_full_checkpoint(self, path, state, filter, module, fsdp2=False):
+                    return None
         if self._state_dict_type != "full" or not self._set_up_on_cpu():
             with torch_internal_warnings_silenced():
                 return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)

@@ -106,3 +106,41 @@ def test_disk_full_fails_every_rank(small_tmpfs: Path) -> None:
         assert "No space left on device" in error
     assert len(set(errors)) == 1
     _assert_untouched(path)
+
+
+def _printed_cause(error: BaseException) -> BaseException | None:
+    return error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+
+
+def _save_into_missing_folder(path: str) -> tuple[str, list[str], bool]:
+    from lightning_fsdp.loading.errors import _PRINTED_BY_LOCAL_RANK_ZERO
+
+    strategy = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3)))
+    try:
+        fabric.save(path, {"model": model})
+    except CheckpointSaveError as error:
+        # the chain as Python prints it: a cause, or else a context that `raise ... from` did not suppress
+        chain, cause = [], _printed_cause(error)
+        while cause is not None:
+            chain.append(type(cause).__name__)
+            cause = _printed_cause(cause)
+        return str(error), chain, hasattr(error, _PRINTED_BY_LOCAL_RANK_ZERO)
+    raise AssertionError("the save into a missing folder did not fail")
+
+
+def test_a_missing_folder_is_named_on_every_rank_and_printed_once_per_node(tmp_path):
+    """The error names the folder and the fix, not the temporary file; it chains no load error; rank 1 prints a line."""
+    folder = tmp_path / "newdir" / "sub"
+    results = run_distributed(_save_into_missing_folder, str(folder / "full.ckpt"), devices=2)
+    (message_0, chain_0, short_0), (message_1, chain_1, short_1) = results
+    assert message_0 == message_1
+    assert f"The folder {str(folder)!r} to save 'full.ckpt' in does not exist" in message_0
+    assert "os.makedirs(" in message_0
+    assert ".tmp" not in message_0
+    assert chain_0 == ["FileNotFoundError"]  # rank 0's own failure, no `CheckpointLoadError` between
+    assert chain_1 == []
+    assert (short_0, short_1) == (False, True)  # rank 1's uncaught error would print one line, not the traceback
+    assert not (tmp_path / "newdir").exists()

@@ -114,7 +114,7 @@ _PRINTED_BY_LOCAL_RANK_ZERO = "_checkpoint_load_error_printed_by_local_rank_zero
 
 @contextmanager
 def load_errors_printed_once_per_node(global_rank: int, local_rank: int) -> Iterator[None]:
-    """Let an agreed load error that leaves the script be printed in full by local rank 0 of each node only.
+    """Let an agreed load (or save) error that leaves the script be printed in full by local rank 0 of each node only.
 
     Every rank still raises the same :class:`~lightning_fsdp.CheckpointLoadError` (code that catches it sees it on
     every rank, and an uncaught one still ends every process with a non-zero exit code); only the interpreter's
@@ -127,9 +127,11 @@ def load_errors_printed_once_per_node(global_rank: int, local_rank: int) -> Iter
     """
     try:
         yield
-    except CheckpointLoadError as error:
+    except Exception as error:
+        # a load's `CheckpointLoadError`, or a save's `CheckpointSaveError`: both name the ranks that failed
         every_rank = os.environ.get(ERRORS_ON_EVERY_RANK_ENV, "0") not in ("", "0")
-        if local_rank != 0 and error.failed_ranks and error.__cause__ is None and not every_rank:
+        failed_ranks = getattr(error, "failed_ranks", None)
+        if local_rank != 0 and failed_ranks and error.__cause__ is None and not every_rank:
             setattr(error, _PRINTED_BY_LOCAL_RANK_ZERO, global_rank)
             _install_excepthook()
         raise

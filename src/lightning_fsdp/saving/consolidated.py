@@ -57,7 +57,14 @@ _SMALL_STATE_NUMEL = 4096
 
 
 class CheckpointSaveError(RuntimeError):
-    """Saving a checkpoint failed on at least one rank; the message names the rank(s) and their errors."""
+    """Saving a checkpoint failed on at least one rank; the message names the rank(s) and their errors.
+
+    ``failed_ranks`` lists the ranks that failed, ``cause`` is this rank's own error (``None`` where it did not fail).
+
+    """
+
+    failed_ranks: tuple[int, ...] = ()
+    cause: BaseException | None = None
 
 
 class SaveUnsupported(Exception):
@@ -538,6 +545,12 @@ def save(request: SaveRequest, converted: Callable[[Any], Any]) -> str | None:
                 else:
                     paths = [tmp / file.name for file in exported.files] if exported is not None else []
                 if ranks.rank == 0:
+                    if not request.path.parent.is_dir():
+                        raise FileNotFoundError(
+                            f"The folder {str(request.path.parent)!r} to save {request.path.name!r} in does not exist."
+                            f" Create it first (`os.makedirs({str(request.path.parent)!r}, exist_ok=True)`), as"
+                            " Lightning's own full save needs it too."
+                        )
                     # Rank 0 creates the files and marks them, so that the others can tell they see the same files.
                     if directory:
                         os.mkdir(tmp)
@@ -590,7 +603,12 @@ def save(request: SaveRequest, converted: Callable[[Any], Any]) -> str | None:
                     os.replace(tmp, request.path)
                 _fsync_directory(request.path.parent)
     except CheckpointLoadError as error:
-        raise CheckpointSaveError(str(error).replace("CheckpointLoadError", "CheckpointSaveError")) from error
+        # The agreement's report, as a save error: it chains this rank's own failure (none on the other ranks), not
+        # the agreement's load-error type
+        failure = CheckpointSaveError(str(error).replace("CheckpointLoadError", "CheckpointSaveError"))
+        failure.failed_ranks = error.failed_ranks
+        failure.cause = error.cause
+        raise failure from error.__cause__
     finally:
         while fds:
             os.close(fds.pop())
