@@ -190,3 +190,29 @@ def _fsdp2_configs(checkpoint_dir: str, layouts: list[str]) -> int:
 )
 def test_fsdp2_full_save_matches_lightning(tmp_path: Path, layouts: list[str]) -> None:
     assert run_distributed(_fsdp2_configs, str(tmp_path), layouts, devices=4) == [len(layouts)] * 4
+
+
+def _save_twice(path: str) -> list[str]:
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    # the logger that `rank_zero_info` writes to (Lightning points it at its own, `lightning.pytorch` or `.fabric`)
+    from lightning_utilities.core import rank_zero
+
+    rank_zero.log.addHandler(handler)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(state_dict_type="full"))
+    fabric.launch()
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)))
+    fabric.save(f"{path}.1", {"model": model})
+    fabric.save(f"{path}.2", {"model": model})
+    return [message for message in said if "without a gather" in message]
+
+
+def test_the_first_gather_free_save_says_how_it_was_written(tmp_path: Path) -> None:
+    said = run_distributed(_save_twice, str(tmp_path / "model.ckpt"), devices=2)
+    assert len(said[0]) == 1, said  # rank 0, once
+    assert said[1] == []
+    expected = f"Saved the full checkpoint '{tmp_path / 'model.ckpt'}.1' without a gather: each of the 2 ranks"
+    assert expected in said[0][0]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 
@@ -20,6 +20,7 @@ from lightning_fsdp.saving.consolidated import CheckpointSaveError, Ranks, SaveR
 __all__ = ["CheckpointSaveError", "save_full_checkpoint", "save_safetensors"]
 
 _warned: set[str] = set()
+_said_gather_free: list[bool] = []
 
 
 def save_full_checkpoint(
@@ -34,7 +35,8 @@ def save_full_checkpoint(
 
     Every rank calls it with the same arguments. When the state cannot be served (a ``filter``, a sharding layout or
     an optimizer state this writer does not know, ranks that do not share a file system), nothing is written, rank 0
-    warns once saying why, and the caller saves with upstream's gather.
+    warns once saying why, and the caller saves with upstream's gather. The first save that every rank wrote says so
+    once (rank 0, at the info level).
 
     Raises:
         CheckpointSaveError: On every rank, if writing failed on any rank (the path is left as it was).
@@ -65,6 +67,13 @@ def save_full_checkpoint(
     if reason is not None:
         _warn_fallback(reason)
         return False
+    if not _said_gather_free:
+        # once per process: which save ran is never a guess (the gather at 65B is the crash this save avoids)
+        _said_gather_free.append(True)
+        rank_zero_info(
+            f"Saved the full checkpoint {str(path)!r} without a gather: each of the {strategy.world_size} ranks wrote"
+            " its own slices into the one file (Lightning's gathered save would hold it all on rank 0). Said once."
+        )
     return True
 
 
