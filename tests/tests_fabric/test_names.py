@@ -520,3 +520,23 @@ def test_loading_into_a_submodule_is_refused_with_a_way_out(user_files, use_orig
 
 def test_an_exact_name_wins_on_a_sharded_model(user_files):
     assert run_distributed(_exact_name_wins, user_files, devices=2) == [True, True]
+
+
+def test_strict_false_skips_say_what_the_tensors_hold_and_advise_the_rename():
+    """`strict=False` with a mistyped name: the warning gives the rename the strict error gives, and what is left."""
+    targets = [
+        TargetSpec(("embed.weight",), (8, 4), torch.float32),
+        TargetSpec(("lm_head.weight",), (8, 4), torch.float32),
+    ]
+    specs = {
+        "embed.weight": TensorSpec((8, 4), torch.float32),
+        "output.weight": TensorSpec((8, 4), torch.float32),
+    }
+    with pytest.raises(CheckpointLoadError) as strict_error:
+        plan_load(targets, specs, strict=True)
+    advice = "load_options(rename={'output.weight': 'lm_head.weight'})"
+    assert advice in str(strict_error.value)
+    summary = plan_load(targets, specs, strict=False).skipped_summary()
+    assert "1 missing key(s) left as they were ('lm_head.weight')" in summary
+    assert "they keep the values they had before the load" in summary
+    assert advice in summary, summary

@@ -91,16 +91,23 @@ class NamePlan:
     """The prefix rename found automatically (``{"model.": ""}`` removes, ``{"": "model."}`` adds); empty if none."""
     declined: DeclinedAlignment | None = None
     """The prefix rename that would match every model tensor but was not applied: it changes exact matches."""
+    advice: str = ""
+    """With ``strict=False``: what would load the skipped tensors (a ``rename``), as the strict error advises it."""
 
     def skipped_summary(self) -> str:
         parts = []
         if self.missing:
-            parts.append(f"{len(self.missing)} missing key(s) left as they were ({quoted_names(self.missing)})")
+            parts.append(
+                f"{len(self.missing)} missing key(s) left as they were ({quoted_names(self.missing)}): they keep the"
+                " values they had before the load, from the model's initialisation (none, with"
+                " `init_module(empty_init=True)` and no initialisation that writes them: a warning names those)"
+            )
         if self.unexpected:
             parts.append(f"{len(self.unexpected)} unexpected key(s) ignored ({quoted_names(self.unexpected)})")
         if parts and self.declined is not None:
             parts.append(f"names matched exactly, because {self.declined.describe()}")
-        return "; ".join(parts)
+        summary = "; ".join(parts)
+        return f"{summary}. {self.advice}" if summary and self.advice else summary
 
 
 def check_rename(rename: Any) -> None:
@@ -180,19 +187,12 @@ def plan_load(
         )
     if not problems and not plan.sources and targets:
         problems.append(f"no checkpoint tensor matches a model tensor (checkpoint keys: {quoted_names(list(specs))})")
+    if not problems and (plan.missing or plan.unexpected) and not plan.aligned and plan.declined is None:
+        # `strict=False` skipped tensors whose names nothing aligned: the warning gives the strict error's advice
+        plan.advice = " ".join(_rename_fixes(targets, specs, rename, plan, ambiguous, {})[0])
     if problems:
-        inner = paired = None
         untied = _untied_copies(targets, plan, ties or {}) if strict else {}
-        if rename is None and not plan.aligned and plan.declined is None and not ambiguous:
-            inner = _inner_rename(targets, specs, len(targets) - len(plan.missing))
-        if inner is None and not untied and not plan.aligned and plan.declined is None and not ambiguous:
-            paired = _paired_rename(targets, specs, rename)
-        if inner:
-            fixes = [inner.advice(len(targets))]
-        elif paired:
-            fixes = [paired.advice()]
-        else:
-            fixes = _advice(targets, list(specs), rename, plan, ambiguous)
+        fixes, inner, paired = _rename_fixes(targets, specs, rename, plan, ambiguous, untied)
         if untied:
             fixes.append(_retie_advice(untied))
         elif (
@@ -216,6 +216,27 @@ def plan_load(
             f" (as with `rename={plan.aligned!r}`; pass `rename={{}}` to turn this off)."
         )
     return plan
+
+
+def _rename_fixes(
+    targets: Sequence[TargetSpec],
+    specs: Mapping[str, TensorSpec],
+    rename: Rename | None,
+    plan: NamePlan,
+    ambiguous: list[dict[str, str]],
+    untied: Mapping[str, str],
+) -> tuple[list[str], Any, Any]:
+    """The advice that would make the checkpoint's names load (a ``rename``), and the inner or paired rename found."""
+    inner = paired = None
+    if rename is None and not plan.aligned and plan.declined is None and not ambiguous:
+        inner = _inner_rename(targets, specs, len(targets) - len(plan.missing))
+    if inner is None and not untied and not plan.aligned and plan.declined is None and not ambiguous:
+        paired = _paired_rename(targets, specs, rename)
+    if inner:
+        return [inner.advice(len(targets))], inner, paired
+    if paired:
+        return [paired.advice()], inner, paired
+    return _advice(targets, list(specs), rename, plan, ambiguous), inner, paired
 
 
 def _match(
