@@ -10,9 +10,9 @@ statement-level edits of master's methods (located with ``ast``; a missing ancho
 functions (with the module-level helpers and fixtures they use) into Lightning's test files, inserts the docs
 fragments into Lightning's pages, the ``lines`` into requirements files and the CHANGELOG line under its heading,
 then runs ``ruff check --fix --select I,F401`` and ``ruff format`` with the tree's own configuration, and checks the
-result with ``ruff check --select F``. It prints the lines each PR changes. ``--only N`` stops after PR N. A tree without ``tests/`` (an unpacked sdist) gets
-the source changes, and the CHANGELOG and docs where they exist; its test edits and carried tests are skipped, and
-one note says so.
+result with ``ruff check --select F``. It prints the lines each PR changes. ``--only N`` stops after PR N. A tree
+without ``tests/`` (an unpacked sdist) gets the source changes, and the CHANGELOG and docs where they exist; its test
+edits and carried tests are skipped, and one note says so.
 """
 
 import argparse
