@@ -35,12 +35,8 @@ demo: setup
 # the suite took 27 min in one process and 15 min in two (2026-12-03). PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 
-# The core's own tests (tests/tests_fabric/core/) run in the two steps after pytest, with Lightning's names: on the
-# patched master (tools/test_patched_upstream.sh) and on the installed release's sdist (tools/test_core_on_sdist.sh),
-# the same code as lightning_fsdp.core on the same release: not a third time here (26 tests, 139 s in two processes,
-# 2026-12-04). `$(PY) -m pytest tests` runs them with the rest.
 test: setup
-	$(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --dist worksteal --ignore=tests/tests_fabric/core
+	$(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --dist worksteal
 	bash tools/test_patched_upstream.sh $(PY)
 	bash tools/test_core_on_sdist.sh $(PY)
 
