@@ -140,10 +140,13 @@ def _detect_directory(path: Path) -> DetectedCheckpoint:
         return DetectedCheckpoint(path, CheckpointFormat.SAFETENSORS_SHARDS, shards)
     contents = sorted(p.name for p in path.iterdir())
     shown = quoted_names(contents)
+    files = [name for name in contents if (path / name).is_file() and not name.startswith(".")]
+    # one file in the folder (a `full.ckpt` that `fabric.save` wrote there): the path was probably meant to name it
+    hint = f" Did you mean {str(path / files[0])!r}?" if len(files) == 1 else ""
     raise CheckpointLoadError(
         f"The directory {str(path)!r} holds no checkpoint. Expected a sharded Fabric checkpoint (`meta.pt` and"
         f" `.metadata`), a Hugging Face index (`*.index.json`), or one of {', '.join(_HF_SINGLE_FILES)}."
-        f" It contains: {shown or 'nothing'}."
+        f" It contains: {shown or 'nothing'}.{hint}"
     )
 
 

@@ -187,3 +187,18 @@ def test_views_and_fabric_checkpoints_are_read_by_byte_ranges(tmp_path, state_di
     trusted = open_checkpoint(detect_checkpoint(path), module_key="model", weights_only=False)
     assert isinstance(trusted.source, DictSource)
     assert torch.equal(trusted.entries["optimizer"]["state"]["head.weight"]["exp_avg"], torch.ones(37, 16))
+
+
+def test_a_directory_holding_one_file_suggests_the_file(tmp_path):
+    """`fabric.load("ckpts/", ...)` where `fabric.save` wrote `ckpts/full.ckpt`: the error names the file."""
+    (tmp_path / "one").mkdir()
+    torch.save({"model": {"w": torch.ones(2)}}, tmp_path / "one" / "full.ckpt")
+    with pytest.raises(CheckpointLoadError, match="holds no checkpoint") as one:
+        detect_checkpoint(tmp_path / "one")
+    assert str(one.value).endswith(f"Did you mean {str(tmp_path / 'one' / 'full.ckpt')!r}?")
+    (tmp_path / "two").mkdir()
+    for name in ("a.ckpt", "b.ckpt"):
+        torch.save({}, tmp_path / "two" / name)
+    with pytest.raises(CheckpointLoadError, match="holds no checkpoint") as two:
+        detect_checkpoint(tmp_path / "two")
+    assert "Did you mean" not in str(two.value)  # several candidates: no guess
