@@ -165,9 +165,13 @@ def _sniff_file(path: Path) -> CheckpointFormat:
         return CheckpointFormat.TORCH_LEGACY
     if head.lstrip()[:1] == b"{":
         return CheckpointFormat.HF_INDEX
+    first = head[:8]
+    # printable ASCII (a text file, an HTML error page saved as the checkpoint) is shown as text as well
+    text = first.decode("ascii") if first and all(32 <= byte < 127 for byte in first) else ""
     raise CheckpointLoadError(
         f"The file {str(path)!r} is not a checkpoint format that the loader reads: neither a `torch.save` file (zip or"
-        f" legacy), a safetensors file, nor a Hugging Face `*.index.json`. Its first bytes are {head[:8].hex(' ')}."
+        f" legacy), a safetensors file, nor a Hugging Face `*.index.json`. Its first bytes are {first.hex(' ')}"
+        + (f" (as text: {text!r})." if text else ".")
     )
 
 

@@ -202,3 +202,15 @@ def test_a_directory_holding_one_file_suggests_the_file(tmp_path):
     with pytest.raises(CheckpointLoadError, match="holds no checkpoint") as two:
         detect_checkpoint(tmp_path / "two")
     assert "Did you mean" not in str(two.value)  # several candidates: no guess
+
+
+def test_a_text_file_shows_its_first_bytes_as_text_too(tmp_path):
+    """An HTML error page saved in place of the weights: the error shows what it is, not only hexadecimal bytes."""
+    (tmp_path / "model.bin").write_text("<html><body>403 Forbidden</body></html>")
+    with pytest.raises(CheckpointLoadError) as error:
+        detect_checkpoint(tmp_path / "model.bin")
+    assert str(error.value).endswith("Its first bytes are 3c 68 74 6d 6c 3e 3c 62 (as text: '<html><b').")
+    (tmp_path / "binary.bin").write_bytes(bytes(range(1, 40)))
+    with pytest.raises(CheckpointLoadError) as error:
+        detect_checkpoint(tmp_path / "binary.bin")
+    assert str(error.value).endswith("Its first bytes are 01 02 03 04 05 06 07 08.")
