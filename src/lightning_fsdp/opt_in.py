@@ -30,6 +30,8 @@ _REPLACEMENTS: dict[type, type] = {
 }
 
 _state = {"enabled": False}
+#: The Trainer's own check (``_AcceleratorConnector._check_strategy_and_fallback``), restored by :func:`disable`.
+_trainer_checks: dict[str, Callable[..., None]] = {}
 #: Upstream's own method, restored by :func:`disable`.
 _check_strategy_and_fallback = _Connector._check_strategy_and_fallback
 
@@ -38,30 +40,50 @@ def enable() -> None:
     """Make every ``lightning.fabric.strategies.FSDPStrategy(...)`` construct a :class:`lightning_fsdp.FSDPStrategy`.
 
     Likewise, ``lightning.fabric.strategies.ModelParallelStrategy(...)`` (FSDP2) constructs a
-    :class:`lightning_fsdp.ModelParallelStrategy`.
+    :class:`lightning_fsdp.ModelParallelStrategy`, and the Trainer's ``lightning.pytorch.strategies.FSDPStrategy(...)``
+    a :class:`lightning_fsdp.pytorch.FSDPStrategy`.
 
-    It covers the class however it was imported (before or after this call) and ``Fabric(strategy="fsdp")``, which
-    is then accepted with ``accelerator="cpu"`` too. Calling it again does nothing; :func:`disable` undoes it. Call
-    it once, at the top of the script, before the strategy is created::
+    It covers the class however it was imported (before or after this call), ``Fabric(strategy="fsdp")`` and
+    ``Trainer(strategy="fsdp")``, which are then accepted with ``accelerator="cpu"`` too. Calling it again does
+    nothing; :func:`disable` undoes it. Call it once, at the top of the script, before the strategy is created::
 
         import lightning_fsdp
 
         lightning_fsdp.enable()
 
     """
+    _add_trainer_replacements()
     for upstream, ours in _REPLACEMENTS.items():
         if "__new__" not in upstream.__dict__:
             # Installed once and left in place: CPython cannot cleanly remove a ``__new__`` assigned after class
             # creation, so ``disable`` switches the hook off instead.
             upstream.__new__ = _constructor(upstream, ours)  # type: ignore[method-assign]
     _Connector._check_strategy_and_fallback = _check_strategy_and_fallback_on_cpu  # type: ignore[method-assign]
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    _AcceleratorConnector._check_strategy_and_fallback = _trainer_check_on_cpu  # type: ignore[method-assign]
     _state["enabled"] = True
+
+
+def _add_trainer_replacements() -> None:
+    """The Trainer's classes, imported here: a Fabric script that never calls :func:`enable` does not import them."""
+    from lightning.pytorch.strategies import FSDPStrategy as _UpstreamTrainerFSDPStrategy
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    from lightning_fsdp.pytorch import FSDPStrategy as TrainerFSDPStrategy
+
+    _REPLACEMENTS.setdefault(_UpstreamTrainerFSDPStrategy, TrainerFSDPStrategy)
+    _trainer_checks.setdefault("upstream", _AcceleratorConnector._check_strategy_and_fallback)
 
 
 def disable() -> None:
     """Undo :func:`enable`: upstream's class constructs upstream's strategy again. Does nothing if not enabled."""
     if _Connector.__dict__.get("_check_strategy_and_fallback") is _check_strategy_and_fallback_on_cpu:
         _Connector._check_strategy_and_fallback = _check_strategy_and_fallback  # type: ignore[method-assign]
+    if "upstream" in _trainer_checks:
+        from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+        _AcceleratorConnector._check_strategy_and_fallback = _trainer_checks["upstream"]  # type: ignore[method-assign]
     _state["enabled"] = False
 
 
@@ -109,3 +131,21 @@ def _check_strategy_and_fallback_on_cpu(connector: _Connector) -> None:
             f"{error} With `lightning_fsdp.enable()`, `Fabric(accelerator='cpu', strategy='fsdp')` runs on CPU, but"
             f" {strategy!r} (CPU offloading) needs an accelerator: use `strategy='fsdp'` on CPU."
         ) from None
+
+
+def _trainer_check_on_cpu(connector: Any) -> None:
+    """The Trainer's check, except that ``strategy="fsdp"`` with ``accelerator="cpu"`` is accepted.
+
+    As for Fabric, the name is resolved first to the registry's strategy, which the hook above constructs as this
+    package's class; the Trainer refuses only a strategy whose class is exactly its own.
+
+    """
+    from lightning.pytorch.accelerators import CPUAccelerator as TrainerCPUAccelerator
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    upstream_check = _trainer_checks["upstream"]
+    strategy, accelerator = connector._strategy_flag, connector._accelerator_flag
+    on_cpu = accelerator == "cpu" or isinstance(accelerator, TrainerCPUAccelerator)
+    if _state["enabled"] and on_cpu and strategy == "fsdp":
+        connector._strategy_flag = StrategyRegistry.get(strategy)
+    return upstream_check(connector)

@@ -365,24 +365,13 @@ class FSDPStrategy(_CoreFSDPStrategy):
 
     def _setup_module_on_cpu(self, module: Module) -> Module:
         """Upstream's ``setup_module`` with ``device_id=self.root_device``, for a CPU device (its index is ``None``)."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if any(isinstance(submodule, FullyShardedDataParallel) for submodule in module.modules()):
-            # The user wrapped their submodules manually: the auto wrap policy must not wrap them again.
-            if _upstream._has_meta_device_parameters_or_buffers(module):
-                rank_zero_warn(
-                    "The model is already wrapped in `FSDP` but there are still parameters on the meta device."
-                )
-            if self._fsdp_kwargs.pop("auto_wrap_policy", None) is not None:
-                rank_zero_warn(
-                    "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored."
-                )
-        else:
-            module = FullyShardedDataParallel(module=module, **self._fsdp_wrapper_kwargs())
-        # Through upstream's module, so that patching upstream's helpers (as its tests do) reaches this path too.
-        _upstream._move_torchmetrics_to_device(module, self.root_device)
-        _upstream._setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
-        return module
+        return wrap_on_cpu(
+            module,
+            self._fsdp_kwargs,
+            self._fsdp_wrapper_kwargs(),
+            self.root_device,
+            self._activation_checkpointing_kwargs,
+        )
 
     def _fsdp_wrapper_kwargs(self) -> dict[str, Any]:
         return {
@@ -392,6 +381,38 @@ class FSDPStrategy(_CoreFSDPStrategy):
             "device_id": self.root_device,
             **self._fsdp_kwargs,
         }
+
+
+def wrap_on_cpu(
+    module: Module,
+    fsdp_kwargs: dict[str, Any],
+    wrapper_kwargs: dict[str, Any],
+    root_device: torch.device,
+    activation_checkpointing_kwargs: dict[str, Any],
+) -> Module:
+    """Wrap ``module`` as upstream's strategies (Fabric's and the Trainer's) do, on a CPU device.
+
+    Upstream passes ``device_id=root_device.index``, which is ``None`` for a CPU device, and FSDP then refuses to run
+    without an accelerator; ``wrapper_kwargs`` pass the device itself. ``fsdp_kwargs`` are the strategy's own, from
+    which an ``auto_wrap_policy`` is dropped (with upstream's warning) for a model that the user wrapped already.
+
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(submodule, FullyShardedDataParallel) for submodule in module.modules()):
+        # The user wrapped their submodules manually: the auto wrap policy must not wrap them again.
+        if _upstream._has_meta_device_parameters_or_buffers(module):
+            rank_zero_warn("The model is already wrapped in `FSDP` but there are still parameters on the meta device.")
+        if fsdp_kwargs.pop("auto_wrap_policy", None) is not None:
+            rank_zero_warn(
+                "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored."
+            )
+    else:
+        module = FullyShardedDataParallel(module=module, **wrapper_kwargs)
+    # Through upstream's module, so that patching upstream's helpers (as its tests do) reaches this path too.
+    _upstream._move_torchmetrics_to_device(module, root_device)
+    _upstream._setup_activation_checkpointing(module, activation_checkpointing_kwargs)
+    return module
 
 
 @contextmanager

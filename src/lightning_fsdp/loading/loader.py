@@ -60,6 +60,11 @@ class LoadRequest:
     rename: Rename | None = None
     """Maps the checkpoint's names to the model's (see :func:`~.validation.check_rename`); ``None`` aligns a
     prefix automatically where exactly one makes every model tensor match, ``{}`` keeps the names as they are."""
+    optimizer_list: str | None = None
+    """The entry of a checkpoint file that holds the optimizers' states as a list, in the order of ``optimizers``
+    (the Trainer's ``"optimizer_states"``); ``None``: each optimizer's state is the entry under its own key."""
+    weights_alone: str = "`fabric.load_raw(path, model)`"
+    """The call that loads a file's weights alone, which errors about a raw state dict suggest."""
 
 
 @dataclass(frozen=True)
@@ -207,7 +212,7 @@ def _load_file(
         remainder = {
             key: value
             for key, value in opened.entries.items()
-            if key not in request.metadata_keys and key not in request.optimizers
+            if key not in request.metadata_keys and key not in request.optimizers and key != request.optimizer_list
         }
         # Whatever the caller keeps must outlive the source, which is closed (and, in a turn, freed) right after.
         # One copy of both keeps an object that they share shared, as `torch.load` returns it.
@@ -278,10 +283,8 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
     plan = plan_load(targets, source.specs(), strict=request.strict, rename=request.rename, ties=_ties(request.module))
     optimizer_states: dict[str, dict] = {}
     fallback: set[str] = set()
-    for key, optimizer in request.optimizers.items():
-        if key not in opened.entries:
-            continue  # absent and `strict=False`: left untouched
-        saved = opened.entries[key]
+    for key, saved in _saved_optimizer_states(request, opened).items():
+        optimizer = request.optimizers[key]
         if collected is not None:
             optimizer_states[key] = local_optimizer_state(optimizer, collected, saved)
         else:
@@ -315,12 +318,31 @@ def _check_requested_keys(request: LoadRequest, opened: OpenedCheckpoint) -> Non
     if opened.raw:
         _check_raw_request(request)
         return
-    absent = sorted(key for key in [*request.optimizers, *request.metadata_keys] if key not in opened.entries)
+    # a list of optimizer states may be absent (a checkpoint saved without them): the optimizers are left as they are
+    listed = request.optimizers if request.optimizer_list is None else []
+    absent = sorted(key for key in [*listed, *request.metadata_keys] if key not in opened.entries)
     if absent and request.strict:
         raise CheckpointLoadError(
             f"The checkpoint has no entry {', '.join(repr(k) for k in absent)} that the state asks for. Its entries"
             f" are {', '.join(repr(k) for k in opened.top_level_keys)}. To load what is there, pass `strict=False`."
         )
+
+
+def _saved_optimizer_states(request: LoadRequest, opened: OpenedCheckpoint) -> dict[str, Any]:
+    """The checkpoint's state of each requested optimizer that it holds, by the optimizer's key."""
+    if request.optimizer_list is None:
+        return {key: opened.entries[key] for key in request.optimizers if key in opened.entries}
+    saved = opened.entries.get(request.optimizer_list)
+    if saved is None or not request.optimizers:
+        return {}
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(request.optimizers):
+        found = f"{len(saved)} optimizers" if isinstance(saved, (list, tuple)) else f"a {type(saved).__name__}"
+        raise CheckpointLoadError(
+            f"You have configured {len(request.optimizers)} optimizer(s) but the checkpoint's"
+            f" {request.optimizer_list!r} holds {found}. Resume training with the same number of optimizers, or load"
+            " the model's weights alone (`lightning_fsdp.pytorch.LoadWeights`)."
+        )
+    return dict(zip(request.optimizers, saved, strict=True))
 
 
 def _check_raw_request(request: LoadRequest) -> None:
@@ -330,7 +352,7 @@ def _check_raw_request(request: LoadRequest) -> None:
         raise CheckpointLoadError(
             "The checkpoint is a raw module state dict: it holds the model's weights only, not the requested"
             f" {', '.join(repr(k) for k in requested)}. To load the weights alone, pass `strict=False` (the other"
-            " objects are left untouched) or use `fabric.load_raw(path, model)`."
+            f" objects are left untouched) or use {request.weights_alone}."
         )
 
 

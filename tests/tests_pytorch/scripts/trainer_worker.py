@@ -1,0 +1,125 @@
+"""A real ``Trainer.fit`` on CPU ranks with this package's Trainer ``FSDPStrategy``, as users run it.
+
+The Trainer starts the other ranks by running this script again (its subprocess launcher). Modes:
+
+- ``save``: fit a few steps, then save a checkpoint (``--state-dict-type full|sharded``) to ``--ckpt``, and write
+  the state at the end of training to ``--report``;
+- ``resume``: ``trainer.fit(model, ckpt_path=--ckpt)`` with ``max_steps`` equal to the saved step, so that nothing
+  trains after the restore; rank 0 writes what the strategy holds then (the model's and optimizer's full states, in
+  the format the Trainer saves them, and the global step) to ``--report``. ``--loader upstream`` restores with
+  Lightning's own ``FSDPStrategy.load_checkpoint`` instead, for comparison;
+- ``weights``: fit zero steps with ``LoadWeights(--ckpt)`` and report the model's state.
+"""
+
+import argparse
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+from lightning.pytorch.strategies import FSDPStrategy as UpstreamFSDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_fsdp.pytorch import FSDPStrategy, LoadWeights
+
+
+class Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(11, 8)
+        self.block = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.head = nn.Linear(8, 3)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+
+    def training_step(self, batch, batch_idx):
+        tokens, target = batch
+        return nn.functional.cross_entropy(self.head(self.block(self.embedding(tokens) * self.scale)), target)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class UpstreamLoading(FSDPStrategy):
+    """This package's strategy (it runs on CPU) with Lightning's own ``load_checkpoint``."""
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        return UpstreamFSDPStrategy.load_checkpoint(self, checkpoint_path, weights_only=weights_only)
+
+
+class Report(pl.Callback):
+    """Rank 0 writes the strategy's state at the start of training (after a restore), or at its end (``at_end``)."""
+
+    def __init__(self, path: str, at_end: bool) -> None:
+        self.path = path
+        self.at_end = at_end
+
+    def on_train_start(self, trainer, pl_module):
+        if not self.at_end:
+            self._report(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        if self.at_end:
+            self._report(trainer)
+
+    def _report(self, trainer):
+        strategy = trainer.strategy
+        # the full states (gathered on rank 0), in the format of the Trainer's full checkpoint, whatever it saves
+        saves, strategy._state_dict_type = strategy._state_dict_type, "full"
+        state = {"state_dict": strategy.lightning_module_state_dict(), "global_step": trainer.global_step}
+        if trainer.optimizers:
+            state["optimizer_states"] = [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers]
+        strategy._state_dict_type = saves
+        if trainer.global_rank == 0:
+            torch.save(state, self.path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["save", "resume", "weights"])
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--state-dict-type", default="full")
+    parser.add_argument("--loader", default="ours")
+    parser.add_argument("--report")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--wrap", action="store_true", help="wrap each Linear in its own FSDP unit")
+    parser.add_argument("--flat-params", action="store_true", help="use_orig_params=False")
+    args = parser.parse_args()
+
+    kwargs = {"state_dict_type": args.state_dict_type}
+    if args.wrap:
+        kwargs["auto_wrap_policy"] = {nn.Linear}
+    if args.flat_params:
+        kwargs["use_orig_params"] = False
+    strategy = (UpstreamLoading if args.loader == "upstream" else FSDPStrategy)(**kwargs)
+    callbacks = [Report(args.report, at_end=args.mode == "save")] if args.report else []
+    if args.mode == "weights":
+        callbacks.insert(0, LoadWeights(args.ckpt))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
+        max_steps=args.steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randint(0, 11, (64,)), torch.randint(0, 3, (64,)))
+    loader = DataLoader(data, batch_size=4)
+    if args.mode == "save":
+        trainer.fit(Model(), loader)
+        trainer.save_checkpoint(args.ckpt)
+    elif args.mode == "resume":
+        trainer.fit(Model(), loader, ckpt_path=args.ckpt)
+    else:
+        trainer.fit(Model(), loader)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

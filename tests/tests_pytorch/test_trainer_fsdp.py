@@ -1,0 +1,190 @@
+"""The Trainer's ``FSDPStrategy`` of this package: real ``Trainer.fit`` runs on CPU ranks, as users start them.
+
+Each run is ``python scripts/trainer_worker.py ...``: the Trainer starts the other ranks itself (its subprocess
+launcher), and two "nodes" are two such commands with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Rank 0 of a
+run writes what the strategy holds after the restore in the Trainer's own checkpoint format (the model's and the
+optimizer's full states), which the tests compare bit for bit with the checkpoint and with Lightning's own restore.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import FSDPStrategy as UpstreamFSDPStrategy
+
+import lightning_fsdp
+from lightning_fsdp.pytorch import FSDPStrategy, LoadWeights
+from tests.tests_fabric.helpers.env import without_launcher_variables
+
+_WORKER = Path(__file__).parent / "scripts" / "trainer_worker.py"
+_ROOT = Path(__file__).resolve().parents[2]
+_TIMEOUT = 240
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = without_launcher_variables()
+    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env["OMP_NUM_THREADS"] = "1"
+    return {**env, **extra}
+
+
+def _run(*args: str, expect_failure: bool = False, env: dict[str, str] | None = None) -> str:
+    """Run the worker (which launches its ranks); return its output, failing the test unless it exits as expected."""
+    process = subprocess.run(
+        [sys.executable, str(_WORKER), *args],
+        env=env or _env(),
+        cwd=_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=_TIMEOUT,
+    )
+    if (process.returncode != 0) != expect_failure:
+        tail = "\n".join(process.stdout.splitlines()[-40:])
+        pytest.fail(f"`trainer_worker.py {' '.join(args)}` exited with {process.returncode}:\n{tail}")
+    return process.stdout
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def _assert_same_model(actual: dict, expected: dict) -> None:
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def _assert_same_optimizer(actual: dict, expected: dict) -> None:
+    assert actual["param_groups"] == expected["param_groups"]
+    assert actual["state"].keys() == expected["state"].keys()
+    for key, state in expected["state"].items():
+        assert actual["state"][key].keys() == state.keys()
+        for name, value in state.items():
+            torch.testing.assert_close(actual["state"][key][name], value, rtol=0, atol=0, msg=f"{key}.{name}")
+
+
+@pytest.fixture(scope="module")
+def trainer_checkpoint(tmp_path_factory) -> Path:
+    """A full checkpoint that the Trainer wrote after 3 steps on 2 ranks, each Linear in its own FSDP unit."""
+    path = tmp_path_factory.mktemp("trainer") / "full.ckpt"
+    _run("save", f"--ckpt={path}", "--wrap")
+    return path
+
+
+def test_resume_full_checkpoint_shard_local_on_other_numbers_of_ranks(trainer_checkpoint, tmp_path):
+    """`trainer.fit(ckpt_path=...)` restores the model and the optimizer state (keyed by index, as the Trainer saves
+    it) exactly, on 2 ranks as saved and on 3, as Lightning's own restore does on 2."""
+    saved = _load(trainer_checkpoint)
+    assert all(isinstance(key, int) for key in saved["optimizer_states"][0]["state"])
+    reports = {}
+    for name, extra in (("ours-2", []), ("ours-3", ["--devices=3"]), ("upstream-2", ["--loader=upstream"])):
+        report = tmp_path / f"{name}.pt"
+        _run("resume", f"--ckpt={trainer_checkpoint}", "--wrap", "--steps=4", f"--report={report}", *extra)
+        reports[name] = _load(report)
+    for name, report in reports.items():
+        assert report["global_step"] == saved["global_step"] == 3, name
+        _assert_same_model(report["state_dict"], saved["state_dict"])
+        _assert_same_optimizer(report["optimizer_states"][0], saved["optimizer_states"][0])
+
+
+def test_resume_sharded_checkpoint(tmp_path):
+    """A sharded checkpoint that the Trainer wrote goes through the validated reader, and resumes exactly."""
+    checkpoint, at_save, at_resume = tmp_path / "sharded", tmp_path / "save.pt", tmp_path / "resume.pt"
+    _run("save", f"--ckpt={checkpoint}", "--state-dict-type=sharded", f"--report={at_save}")
+    assert (checkpoint / "meta.pt").is_file()
+    _run("resume", f"--ckpt={checkpoint}", "--state-dict-type=sharded", "--steps=4", f"--report={at_resume}")
+    saved, resumed = _load(at_save), _load(at_resume)
+    assert resumed["global_step"] == saved["global_step"] == 3
+    _assert_same_model(resumed["state_dict"], saved["state_dict"])
+    _assert_same_optimizer(resumed["optimizer_states"][0], saved["optimizer_states"][0])
+
+
+def test_load_weights_from_elsewhere(trainer_checkpoint, tmp_path):
+    """`LoadWeights` starts training from a raw state dict, a safetensors file or a Trainer checkpoint's weights."""
+    from safetensors.torch import save_file
+
+    weights = _load(trainer_checkpoint)["state_dict"]
+    torch.save(weights, tmp_path / "raw.pth")
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, tmp_path / "model.safetensors")
+    for source in (tmp_path / "raw.pth", tmp_path / "model.safetensors", trainer_checkpoint):
+        report = tmp_path / f"{source.name}.report.pt"
+        _run("weights", f"--ckpt={source}", "--steps=1", f"--report={report}")
+        loaded = _load(report)
+        assert loaded["global_step"] == 0
+        _assert_same_model(loaded["state_dict"], weights)
+
+
+def test_resume_from_weights_alone_names_the_callback(trainer_checkpoint, tmp_path):
+    """A file of weights alone is no checkpoint to resume from: one error, on every rank, says what to use."""
+    torch.save(_load(trainer_checkpoint)["state_dict"], tmp_path / "raw.pth")
+    output = _run("resume", f"--ckpt={tmp_path / 'raw.pth'}", "--steps=4", expect_failure=True)
+    assert "raw module state dict" in output
+    assert "lightning_fsdp.pytorch.LoadWeights" in output
+    assert "KeyError" not in output
+
+
+def test_resume_on_two_nodes(trainer_checkpoint, tmp_path):
+    """Two "nodes" of one rank each, started as a cluster starts them, resume the checkpoint saved on one node."""
+    port = str(find_free_network_port())
+    report = tmp_path / "nodes.pt"
+    args = [sys.executable, str(_WORKER), "resume", f"--ckpt={trainer_checkpoint}", "--wrap", "--steps=4"]
+    args += ["--devices=1", "--num-nodes=2", f"--report={report}"]
+    processes = []
+    for node_rank in range(2):
+        env = _env(NODE_RANK=str(node_rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        log = open(tmp_path / f"node{node_rank}.log", "w")  # noqa: SIM115
+        processes.append(subprocess.Popen(args, env=env, cwd=_ROOT, stdout=log, stderr=subprocess.STDOUT))
+    codes = [process.wait(timeout=_TIMEOUT) for process in processes]
+    if any(codes):
+        logs = "\n".join((tmp_path / f"node{rank}.log").read_text()[-3000:] for rank in range(2))
+        pytest.fail(f"two nodes exited with {codes}:\n{logs}")
+    saved, resumed = _load(trainer_checkpoint), _load(report)
+    _assert_same_model(resumed["state_dict"], saved["state_dict"])
+    _assert_same_optimizer(resumed["optimizer_states"][0], saved["optimizer_states"][0])
+
+
+@pytest.fixture
+def _disable_after():
+    yield
+    lightning_fsdp.disable()
+
+
+@pytest.mark.usefixtures("_disable_after")
+def test_enable_covers_the_trainer():
+    """After `enable()`, `Trainer(strategy="fsdp")` and Lightning's class construct this package's strategy, on CPU."""
+    lightning_fsdp.enable()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="fsdp", logger=False)
+    assert type(trainer.strategy) is FSDPStrategy
+    assert isinstance(trainer.strategy, UpstreamFSDPStrategy)
+    strategy = UpstreamFSDPStrategy(state_dict_type="sharded", sharding_strategy="SHARD_GRAD_OP")
+    assert type(strategy) is FSDPStrategy
+    assert strategy._state_dict_type == "sharded"
+    assert Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False).strategy is strategy
+    lightning_fsdp.disable()
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        Trainer(accelerator="cpu", devices=2, strategy="fsdp", logger=False)
+    assert type(UpstreamFSDPStrategy()) is UpstreamFSDPStrategy
+
+
+def test_arguments_are_upstreams():
+    """The same parameters as Lightning's class, then this package's two keyword-only ones."""
+    import inspect
+
+    upstream = list(inspect.signature(UpstreamFSDPStrategy.__init__).parameters)
+    ours = list(inspect.signature(FSDPStrategy.__init__).parameters)
+    assert [name for name in ours if name not in ("load_concurrency", "load_progress")] == upstream
+    with pytest.raises(ValueError, match="load_concurrency"):
+        FSDPStrategy(load_concurrency=0)
+
+
+def test_load_weights_needs_this_packages_strategy():
+    callback = LoadWeights("model.safetensors")
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(TypeError, match=r"lightning_fsdp\.pytorch\.FSDPStrategy"):
+        callback.on_fit_start(trainer, None)
