@@ -40,8 +40,8 @@ def enable() -> None:
     """Make every ``lightning.fabric.strategies.FSDPStrategy(...)`` construct a :class:`lightning_fsdp.FSDPStrategy`.
 
     Likewise, ``lightning.fabric.strategies.ModelParallelStrategy(...)`` (FSDP2) constructs a
-    :class:`lightning_fsdp.ModelParallelStrategy`, and the Trainer's ``lightning.pytorch.strategies.FSDPStrategy(...)``
-    a :class:`lightning_fsdp.pytorch.FSDPStrategy`.
+    :class:`lightning_fsdp.ModelParallelStrategy`, and the Trainer's classes in ``lightning.pytorch.strategies`` the
+    classes of :mod:`lightning_fsdp.pytorch`.
 
     It covers the class however it was imported (before or after this call), ``Fabric(strategy="fsdp")`` and
     ``Trainer(strategy="fsdp")``, which are then accepted with ``accelerator="cpu"`` too. Calling it again does
@@ -68,11 +68,14 @@ def enable() -> None:
 def _add_trainer_replacements() -> None:
     """The Trainer's classes, imported here: a Fabric script that never calls :func:`enable` does not import them."""
     from lightning.pytorch.strategies import FSDPStrategy as _UpstreamTrainerFSDPStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy as _UpstreamTrainerModelParallelStrategy
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
     from lightning_fsdp.pytorch import FSDPStrategy as TrainerFSDPStrategy
+    from lightning_fsdp.pytorch import ModelParallelStrategy as TrainerModelParallelStrategy
 
     _REPLACEMENTS.setdefault(_UpstreamTrainerFSDPStrategy, TrainerFSDPStrategy)
+    _REPLACEMENTS.setdefault(_UpstreamTrainerModelParallelStrategy, TrainerModelParallelStrategy)
     _trainer_checks.setdefault("upstream", _AcceleratorConnector._check_strategy_and_fallback)
 
 

@@ -18,7 +18,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import FSDPStrategy as UpstreamFSDPStrategy
 
 import lightning_fsdp
-from lightning_fsdp.pytorch import FSDPStrategy, LoadWeights
+from lightning_fsdp.pytorch import FSDPStrategy, LoadWeights, ModelParallelStrategy
 from tests.tests_fabric.helpers.env import without_launcher_variables
 
 _WORKER = Path(__file__).parent / "scripts" / "trainer_worker.py"
@@ -105,6 +105,60 @@ def test_resume_sharded_checkpoint(tmp_path):
     _assert_same_optimizer(resumed["optimizer_states"][0], saved["optimizer_states"][0])
 
 
+@pytest.fixture(scope="module")
+def fsdp2_checkpoint(tmp_path_factory) -> Path:
+    """A full checkpoint that the Trainer's ``ModelParallelStrategy`` wrote after 3 steps of FSDP2 on 2 ranks."""
+    path = tmp_path_factory.mktemp("trainer-fsdp2") / "full.ckpt"
+    _run("save", "--strategy=model_parallel", f"--ckpt={path}")
+    return path
+
+
+def test_model_parallel_resume_full_checkpoint_on_other_number_of_ranks(fsdp2_checkpoint, tmp_path):
+    """FSDP2: the full checkpoint saved on 2 ranks resumes exactly on 3 (uneven shards), model and optimizer."""
+    report = tmp_path / "resume.pt"
+    _run(
+        "resume",
+        "--strategy=model_parallel",
+        "--devices=3",
+        f"--ckpt={fsdp2_checkpoint}",
+        "--steps=4",
+        f"--report={report}",
+    )
+    saved, resumed = _load(fsdp2_checkpoint), _load(report)
+    assert resumed["global_step"] == saved["global_step"] == 3
+    _assert_same_model(resumed["state_dict"], saved["state_dict"])
+    _assert_same_optimizer(resumed["optimizer_states"][0], saved["optimizer_states"][0])
+
+
+def test_model_parallel_resume_distributed_checkpoint(tmp_path):
+    """FSDP2: the distributed checkpoint that the Trainer writes by default resumes through the validated reader."""
+    checkpoint, at_save, at_resume = tmp_path / "dcp", tmp_path / "save.pt", tmp_path / "resume.pt"
+    common = ["--strategy=model_parallel", "--state-dict-type=sharded", f"--ckpt={checkpoint}"]
+    _run("save", *common, f"--report={at_save}")
+    _run("resume", *common, "--steps=4", f"--report={at_resume}")
+    saved, resumed = _load(at_save), _load(at_resume)
+    assert resumed["global_step"] == saved["global_step"] == 3
+    _assert_same_model(resumed["state_dict"], saved["state_dict"])
+    _assert_same_optimizer(resumed["optimizer_states"][0], saved["optimizer_states"][0])
+
+
+def test_model_parallel_load_weights(fsdp2_checkpoint, tmp_path):
+    """FSDP2: `LoadWeights` loads a safetensors file shard-locally into the `DTensor` parameters."""
+    from safetensors.torch import save_file
+
+    weights = _load(fsdp2_checkpoint)["state_dict"]
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, tmp_path / "model.safetensors")
+    report = tmp_path / "weights.pt"
+    _run(
+        "weights",
+        "--strategy=model_parallel",
+        f"--ckpt={tmp_path / 'model.safetensors'}",
+        "--steps=1",
+        f"--report={report}",
+    )
+    _assert_same_model(_load(report)["state_dict"], weights)
+
+
 def test_load_weights_from_elsewhere(trainer_checkpoint, tmp_path):
     """`LoadWeights` starts training from a raw state dict, a safetensors file or a Trainer checkpoint's weights."""
     from safetensors.torch import save_file
@@ -166,10 +220,14 @@ def test_enable_covers_the_trainer():
     assert type(strategy) is FSDPStrategy
     assert strategy._state_dict_type == "sharded"
     assert Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False).strategy is strategy
+    from lightning.pytorch.strategies import ModelParallelStrategy as UpstreamModelParallelStrategy
+
+    assert type(UpstreamModelParallelStrategy(data_parallel_size=2)) is ModelParallelStrategy
     lightning_fsdp.disable()
     with pytest.raises(ValueError, match="requires a GPU accelerator"):
         Trainer(accelerator="cpu", devices=2, strategy="fsdp", logger=False)
     assert type(UpstreamFSDPStrategy()) is UpstreamFSDPStrategy
+    assert type(UpstreamModelParallelStrategy()) is UpstreamModelParallelStrategy
 
 
 def test_arguments_are_upstreams():
@@ -188,3 +246,14 @@ def test_load_weights_needs_this_packages_strategy():
     trainer = Trainer(accelerator="cpu", devices=1, logger=False)
     with pytest.raises(TypeError, match=r"lightning_fsdp\.pytorch\.FSDPStrategy"):
         callback.on_fit_start(trainer, None)
+
+
+def test_model_parallel_arguments_are_upstreams():
+    import inspect
+
+    from lightning.pytorch.strategies import ModelParallelStrategy as UpstreamModelParallelStrategy
+
+    upstream = list(inspect.signature(UpstreamModelParallelStrategy.__init__).parameters)
+    ours = list(inspect.signature(ModelParallelStrategy.__init__).parameters)
+    assert [name for name in ours if name not in ("load_concurrency", "load_progress")] == upstream
+    assert isinstance(ModelParallelStrategy(), UpstreamModelParallelStrategy)

@@ -6,5 +6,6 @@ shard-locally, and starts from weights that Lightning did not write with the :cl
 
 from lightning_fsdp.pytorch.callbacks import LoadWeights
 from lightning_fsdp.pytorch.fsdp import FSDPStrategy
+from lightning_fsdp.pytorch.model_parallel import ModelParallelStrategy
 
-__all__ = ["FSDPStrategy", "LoadWeights"]
+__all__ = ["FSDPStrategy", "LoadWeights", "ModelParallelStrategy"]

@@ -200,6 +200,7 @@ class FSDPStrategy(_FSDPStrategy):
             self.lightning_module.strict_loading,
             weights_only,
             "FSDPStrategy",
+            sharded_module_key="model",
         )
 
     def load_weights(self, path: _PATH, strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
@@ -217,7 +218,7 @@ class FSDPStrategy(_FSDPStrategy):
 
         """
         assert self.model is not None, "`load_weights` needs the model set up: call it once the Trainer has started"
-        return load_weights(self, path, self.model, strict, weights_only, "FSDPStrategy")
+        return load_weights(self, path, self.model, strict, weights_only, "FSDPStrategy", sharded_module_key="model")
 
     def load_options(
         self,

@@ -21,9 +21,9 @@ from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint
 from lightning_fsdp.loading.loader import LoadRequest
 from lightning_fsdp.loading_calls import LoadingStrategy, broadcast_load_path, load_into_state, raise_if_path_refused
 
-#: The entries of the checkpoint that the Trainer writes: the module's state in a file, and in a sharded directory.
+#: The entry of the module's state in the checkpoint file that the Trainer writes (and in the sharded directory of
+#: its ``ModelParallelStrategy``; its ``FSDPStrategy`` writes ``"model"`` there).
 _FILE_MODULE_KEY = "state_dict"
-_SHARDED_MODULE_KEY = "model"
 #: Where a file holds the optimizers' states (a list), and the keys of a sharded directory (``optimizer_0``, ...).
 _FILE_OPTIMIZERS_KEY = "optimizer_states"
 #: What the loader's errors suggest for loading a file's weights alone.
@@ -39,6 +39,7 @@ def resume(
     strict: bool,
     weights_only: bool | None,
     name: str,
+    sharded_module_key: str,
 ) -> dict[str, Any]:
     """Restore ``module`` and, when ``fitting``, the ``optimizers`` from a checkpoint; return its other entries.
 
@@ -56,6 +57,7 @@ def resume(
         strict: Whether the names must match exactly (the LightningModule's ``strict_loading``).
         weights_only: Unpickle only tensors and plain containers, unless ``False``.
         name: The strategy's class name, for the errors that say what upstream refuses too.
+        sharded_module_key: The entry of the module's state in a sharded directory that the strategy writes.
 
     """
     path, namespace = broadcast_load_path(strategy, checkpoint_path)
@@ -63,7 +65,7 @@ def resume(
     keyed = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(optimizers)} if fitting else {}
     request = LoadRequest(
         module,
-        _SHARDED_MODULE_KEY if sharded else _FILE_MODULE_KEY,
+        sharded_module_key if sharded else _FILE_MODULE_KEY,
         keyed,
         strict=strict,
         weights_only=weights_only is not False,
@@ -75,7 +77,13 @@ def resume(
 
 
 def load_weights(
-    strategy: LoadingStrategy, path: _PATH, module: Module, strict: bool, weights_only: bool, name: str
+    strategy: LoadingStrategy,
+    path: _PATH,
+    module: Module,
+    strict: bool,
+    weights_only: bool,
+    name: str,
+    sharded_module_key: str,
 ) -> dict[str, Any]:
     """Load only the model's weights from ``path``: a checkpoint that the Trainer wrote, or one it did not.
 
@@ -85,7 +93,7 @@ def load_weights(
 
     """
     path, namespace = broadcast_load_path(strategy, path)
-    key = _SHARDED_MODULE_KEY if _is_sharded(path) else _FILE_MODULE_KEY
+    key = sharded_module_key if _is_sharded(path) else _FILE_MODULE_KEY
     request = LoadRequest(
         module,
         key,

@@ -20,7 +20,7 @@ import torch.nn as nn
 from lightning.pytorch.strategies import FSDPStrategy as UpstreamFSDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_fsdp.pytorch import FSDPStrategy, LoadWeights
+from lightning_fsdp.pytorch import FSDPStrategy, LoadWeights, ModelParallelStrategy
 
 
 class Model(pl.LightningModule):
@@ -31,12 +31,28 @@ class Model(pl.LightningModule):
         self.head = nn.Linear(8, 3)
         self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
 
+    def forward(self, tokens):
+        return self.head(self.block(self.embedding(tokens) * self.scale))
+
     def training_step(self, batch, batch_idx):
         tokens, target = batch
-        return nn.functional.cross_entropy(self.head(self.block(self.embedding(tokens) * self.scale)), target)
+        return nn.functional.cross_entropy(self(tokens), target)  # through `forward`: FSDP2 gathers there
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class FSDP2Model(Model):
+    """The same model, sharded with FSDP2 (``fully_shard``) for ``ModelParallelStrategy``."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.block:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
 
 
 class UpstreamLoading(FSDPStrategy):
@@ -64,11 +80,15 @@ class Report(pl.Callback):
     def _report(self, trainer):
         strategy = trainer.strategy
         # the full states (gathered on rank 0), in the format of the Trainer's full checkpoint, whatever it saves
-        saves, strategy._state_dict_type = strategy._state_dict_type, "full"
+        full = {"_state_dict_type": "full", "_save_distributed_checkpoint": False}
+        saves = {name: getattr(strategy, name) for name in full if hasattr(strategy, name)}
+        for name in saves:
+            setattr(strategy, name, full[name])
         state = {"state_dict": strategy.lightning_module_state_dict(), "global_step": trainer.global_step}
         if trainer.optimizers:
             state["optimizer_states"] = [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers]
-        strategy._state_dict_type = saves
+        for name, value in saves.items():
+            setattr(strategy, name, value)
         if trainer.global_rank == 0:
             torch.save(state, self.path)
 
@@ -85,14 +105,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--wrap", action="store_true", help="wrap each Linear in its own FSDP unit")
     parser.add_argument("--flat-params", action="store_true", help="use_orig_params=False")
+    parser.add_argument("--strategy", choices=["fsdp", "model_parallel"], default="fsdp")
     args = parser.parse_args()
 
-    kwargs = {"state_dict_type": args.state_dict_type}
-    if args.wrap:
-        kwargs["auto_wrap_policy"] = {nn.Linear}
-    if args.flat_params:
-        kwargs["use_orig_params"] = False
-    strategy = (UpstreamLoading if args.loader == "upstream" else FSDPStrategy)(**kwargs)
+    model_class = Model
+    if args.strategy == "model_parallel":
+        model_class = FSDP2Model
+        strategy = ModelParallelStrategy(
+            data_parallel_size=args.devices * args.num_nodes,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=args.state_dict_type == "sharded",
+        )
+    else:
+        kwargs = {"state_dict_type": args.state_dict_type}
+        if args.wrap:
+            kwargs["auto_wrap_policy"] = {nn.Linear}
+        if args.flat_params:
+            kwargs["use_orig_params"] = False
+        strategy = (UpstreamLoading if args.loader == "upstream" else FSDPStrategy)(**kwargs)
     callbacks = [Report(args.report, at_end=args.mode == "save")] if args.report else []
     if args.mode == "weights":
         callbacks.insert(0, LoadWeights(args.ckpt))
@@ -112,12 +142,12 @@ def main() -> None:
     data = TensorDataset(torch.randint(0, 11, (64,)), torch.randint(0, 3, (64,)))
     loader = DataLoader(data, batch_size=4)
     if args.mode == "save":
-        trainer.fit(Model(), loader)
+        trainer.fit(model_class(), loader)
         trainer.save_checkpoint(args.ckpt)
     elif args.mode == "resume":
-        trainer.fit(Model(), loader, ckpt_path=args.ckpt)
+        trainer.fit(model_class(), loader, ckpt_path=args.ckpt)
     else:
-        trainer.fit(Model(), loader)
+        trainer.fit(model_class(), loader)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+# Copyright The lightning-fsdp developers.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""The Trainer's ``ModelParallelStrategy`` (FSDP2, tensor parallelism) with the loading of Fabric's.
+
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
+"""
+
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy
+from typing_extensions import override
+
+from lightning_fsdp.loading.validation import Rename
+from lightning_fsdp.loading_calls import init_loading_options, load_options
+from lightning_fsdp.pytorch.loading import is_fitting, load_weights, resume
+
+
+class ModelParallelStrategy(_ModelParallelStrategy):
+    r"""The Trainer's :class:`~lightning.pytorch.strategies.ModelParallelStrategy`, with shard-local loads.
+
+    It accepts every argument of the upstream class and behaves the same, except for loading:
+    ``trainer.fit(model, ckpt_path=...)`` restores a full checkpoint (``save_distributed_checkpoint=False``)
+    shard-locally, each rank reading only the slices of the model and of the optimizer state that its ``DTensor``
+    parameters hold, on any device mesh; a distributed checkpoint goes through the same validated reader as Fabric's;
+    :meth:`load_weights` (or the :class:`~lightning_fsdp.pytorch.LoadWeights` callback) loads weights from elsewhere.
+
+    Arguments:
+        load_concurrency: See :class:`lightning_fsdp.FSDPStrategy`.
+        load_progress: Show a progress bar while loading, once per node, when the output is a terminal.
+
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        *,
+        load_concurrency: int | Literal["auto"] = "auto",
+        load_progress: bool = True,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        init_loading_options(self, load_concurrency, load_progress)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore the model and, when fitting, the optimizers; return the checkpoint's other entries.
+
+        See :meth:`lightning_fsdp.pytorch.FSDPStrategy.load_checkpoint`.
+
+        """
+        assert self.model is not None
+        assert self.lightning_module is not None
+        return resume(
+            self,
+            checkpoint_path,
+            self.model,
+            list(self.optimizers),
+            is_fitting(self.lightning_module._trainer),
+            self.lightning_module.strict_loading,
+            weights_only,
+            "ModelParallelStrategy",
+            sharded_module_key="state_dict",
+        )
+
+    def load_weights(self, path: _PATH, strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
+        """Load the model's weights alone; see :meth:`lightning_fsdp.pytorch.FSDPStrategy.load_weights`."""
+        assert self.model is not None, "`load_weights` needs the model set up: call it once the Trainer has started"
+        return load_weights(
+            self, path, self.model, strict, weights_only, "ModelParallelStrategy", sharded_module_key="state_dict"
+        )
+
+    def load_options(
+        self,
+        rename: Rename | None = None,
+        storage_options: dict[str, Any] | None = None,
+        request_timeout: float | None = None,
+        stall_timeout: float | None = None,
+    ) -> AbstractContextManager:
+        """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
+        return load_options(self, rename, storage_options, request_timeout, stall_timeout)
