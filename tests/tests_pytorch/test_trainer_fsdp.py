@@ -257,3 +257,52 @@ def test_model_parallel_arguments_are_upstreams():
     ours = list(inspect.signature(ModelParallelStrategy.__init__).parameters)
     assert [name for name in ours if name not in ("load_concurrency", "load_progress")] == upstream
     assert isinstance(ModelParallelStrategy(), UpstreamModelParallelStrategy)
+
+
+def _unlaunched_strategy(tmp_path, cls=FSDPStrategy):
+    """A strategy used directly in this process, as Lightning's unit tests use it: no process group, one rank."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    module = pl.LightningModule()
+    module.layer = torch.nn.Linear(3, 2)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
+    trainer.state.fn = TrainerFn.FITTING
+    module.trainer = trainer
+    strategy = cls(parallel_devices=[torch.device("cpu")], state_dict_type="full") if cls is FSDPStrategy else cls()
+    strategy._lightning_module = module
+    strategy.model = module
+    return strategy, module
+
+
+def test_resume_with_another_number_of_optimizers(tmp_path):
+    """Upstream's error for a checkpoint of more or fewer optimizers, before anything is written."""
+    strategy, module = _unlaunched_strategy(tmp_path)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    saved = {name: torch.full_like(tensor, 7.0) for name, tensor in module.state_dict().items()}
+    torch.save({"state_dict": saved, "optimizer_states": [optimizer.state_dict()] * 2}, tmp_path / "two.ckpt")
+    before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    strategy.optimizers = [optimizer]
+    with pytest.raises(RuntimeError, match="1 optimizers but the checkpoint contains 2 optimizers to load"):
+        strategy.load_checkpoint(tmp_path / "two.ckpt")
+    _assert_same_model(module.state_dict(), before)
+    # outside of fitting, the optimizers' states are not read: the weights and the other entries load
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    module.trainer.state.fn = TrainerFn.VALIDATING
+    torch.save({"state_dict": saved, "optimizer_states": [], "epoch": 4}, tmp_path / "none.ckpt")
+    assert strategy.load_checkpoint(tmp_path / "none.ckpt") == {"epoch": 4}
+    _assert_same_model(module.state_dict(), saved)
+
+
+def test_resume_checks_names_with_the_modules_strict_loading(tmp_path):
+    """The LightningModule's `strict_loading` decides, as upstream: an unexpected name fails unless it is `False`."""
+    strategy, module = _unlaunched_strategy(tmp_path)
+    saved = {name: torch.full_like(tensor, 3.0) for name, tensor in module.state_dict().items()}
+    torch.save({"state_dict": {**saved, "extra.weight": torch.zeros(1)}, "global_step": 5}, tmp_path / "extra.ckpt")
+    with pytest.raises(RuntimeError, match=r"extra\.weight"):
+        strategy.load_checkpoint(tmp_path / "extra.ckpt")
+    module.strict_loading = False
+    with pytest.warns(UserWarning, match="strict=False"):
+        assert strategy.load_checkpoint(tmp_path / "extra.ckpt") == {"global_step": 5}
+    _assert_same_model(module.state_dict(), saved)

@@ -335,12 +335,16 @@ def _saved_optimizer_states(request: LoadRequest, opened: OpenedCheckpoint) -> d
     saved = opened.entries.get(request.optimizer_list)
     if saved is None or not request.optimizers:
         return {}
-    if not isinstance(saved, (list, tuple)) or len(saved) != len(request.optimizers):
-        found = f"{len(saved)} optimizers" if isinstance(saved, (list, tuple)) else f"a {type(saved).__name__}"
+    if not isinstance(saved, (list, tuple)):
         raise CheckpointLoadError(
-            f"You have configured {len(request.optimizers)} optimizer(s) but the checkpoint's"
-            f" {request.optimizer_list!r} holds {found}. Resume training with the same number of optimizers, or load"
-            " the model's weights alone (`lightning_fsdp.pytorch.LoadWeights`)."
+            f"The checkpoint's {request.optimizer_list!r} is a {type(saved).__name__}, not a list of optimizer states."
+        )
+    if len(saved) != len(request.optimizers):
+        # upstream's message (the Trainer's `FSDPStrategy`), then how to start from the weights alone
+        raise CheckpointLoadError(
+            f"You have configured {len(request.optimizers)} optimizers but the checkpoint contains {len(saved)}"
+            " optimizers to load. Please resume training with the same number of optimizers or edit the checkpoint"
+            f" manually to remove states. To start from the checkpoint's weights alone, use {request.weights_alone}."
         )
     return dict(zip(request.optimizers, saved, strict=True))
 

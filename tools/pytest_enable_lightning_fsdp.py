@@ -1,0 +1,19 @@
+"""A pytest plugin (``-p pytest_enable_lightning_fsdp``): Lightning's own tests run with ``lightning_fsdp.enable()``.
+
+Every ``FSDPStrategy(...)`` and ``ModelParallelStrategy(...)`` that Lightning's tests construct, and every
+``Trainer(strategy="fsdp")``, is then this package's class (tools/test_trainer_drop_in.sh).
+"""
+
+import lightning_fsdp
+
+lightning_fsdp.enable()
+
+
+def pytest_configure(config: object) -> None:
+    """Refuse to run if the tests would not reach this package's classes (a run that proves nothing)."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    import lightning_fsdp.pytorch
+
+    assert type(FSDPStrategy()) is lightning_fsdp.pytorch.FSDPStrategy
+    assert type(ModelParallelStrategy()) is lightning_fsdp.pytorch.ModelParallelStrategy
