@@ -14,7 +14,7 @@ import lightning_fsdp.saving
 from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, TinyTransformer, make_batch
-from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
+from tests.tests_fabric.helpers.state import assert_identical, assert_same_state, gather_full_state
 from tests.tests_fabric.test_fsdp2 import _Model, _parallelize
 
 # The gather-free save is an extension (#28): it is not carried upstream with the core.
@@ -38,26 +38,6 @@ class _Model1(TinyTransformer):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tail(super().forward(tokens))
-
-
-def assert_identical(actual: Any, expected: Any, path: str = "") -> None:
-    """Same types, same keys in the same order, same dtypes, shapes and bytes (NaN and -0.0 included)."""
-    assert type(actual) is type(expected), f"{path}: {type(actual).__name__} != {type(expected).__name__}"
-    if isinstance(expected, torch.Tensor):
-        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), path
-        assert actual.device == expected.device, path
-        left, right = actual.contiguous().reshape(-1), expected.contiguous().reshape(-1)
-        assert torch.equal(left.view(torch.uint8), right.view(torch.uint8)), f"{path}: bytes differ"
-    elif isinstance(expected, dict):
-        assert list(actual) == list(expected), f"{path}: keys {list(actual)} != {list(expected)}"
-        for key in expected:
-            assert_identical(actual[key], expected[key], f"{path}.{key}")
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), path
-        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_identical(a, e, f"{path}[{index}]")
-    else:
-        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
 
 
 def _gathered_save(fabric: Fabric, path: str, state: dict) -> None:

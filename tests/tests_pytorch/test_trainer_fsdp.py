@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import FSDPStrategy as UpstreamFSDPStrategy
 import lightning_fsdp
 from lightning_fsdp.pytorch import FSDPStrategy, LoadWeights, ModelParallelStrategy
 from tests.tests_fabric.helpers.env import without_launcher_variables
+from tests.tests_fabric.helpers.state import assert_identical
 
 _WORKER = Path(__file__).parent / "scripts" / "trainer_worker.py"
 _ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +74,9 @@ def _assert_same_optimizer(actual: dict, expected: dict) -> None:
 def trainer_checkpoint(tmp_path_factory) -> Path:
     """A full checkpoint that the Trainer wrote after 3 steps on 2 ranks, each Linear in its own FSDP unit."""
     path = tmp_path_factory.mktemp("trainer") / "full.ckpt"
-    _run("save", f"--ckpt={path}", "--wrap")
+    output = _run("save", f"--ckpt={path}", "--wrap", f"--gathered={path.with_name('gathered.ckpt')}")
+    assert "without a gather: each of the 2 ranks wrote its own slices" in output
+    assert "saved by gathering" not in output
     return path
 
 
@@ -109,8 +112,20 @@ def test_resume_sharded_checkpoint(tmp_path):
 def fsdp2_checkpoint(tmp_path_factory) -> Path:
     """A full checkpoint that the Trainer's ``ModelParallelStrategy`` wrote after 3 steps of FSDP2 on 2 ranks."""
     path = tmp_path_factory.mktemp("trainer-fsdp2") / "full.ckpt"
-    _run("save", "--strategy=model_parallel", f"--ckpt={path}")
+    output = _run(
+        "save", "--strategy=model_parallel", f"--ckpt={path}", f"--gathered={path.with_name('gathered.ckpt')}"
+    )
+    assert "without a gather: each of the 2 ranks wrote its own slices" in output
+    assert "saved by gathering" not in output
     return path
+
+
+@pytest.mark.parametrize("checkpoint", ["trainer_checkpoint", "fsdp2_checkpoint"])
+def test_full_save_without_gather_is_upstreams_file(checkpoint, request):
+    """`trainer.save_checkpoint` (and so `ModelCheckpoint`) with a full state dict: every rank wrote its own slices,
+    and the file holds what the gathered save writes: the same entries in the same order, the same bytes."""
+    path = request.getfixturevalue(checkpoint)
+    assert_identical(_load(path), _load(path.with_name("gathered.ckpt")))
 
 
 def test_model_parallel_resume_full_checkpoint_on_other_number_of_ranks(fsdp2_checkpoint, tmp_path):
@@ -306,3 +321,40 @@ def test_resume_checks_names_with_the_modules_strict_loading(tmp_path):
     with pytest.warns(UserWarning, match="strict=False"):
         assert strategy.load_checkpoint(tmp_path / "extra.ckpt") == {"global_step": 5}
     _assert_same_model(module.state_dict(), saved)
+
+
+def test_a_hook_that_changes_the_state_gets_the_gathered_save():
+    """The stand-ins that the save fills: a hook that wrote into one (or replaced it) gets upstream's gathered save."""
+    from lightning_fsdp.pytorch.saving import Deferred, fill_gathered, gather_free_state
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    checkpoint = {"epoch": 1, "state_dict": Deferred(model), "optimizer_states": [Deferred(optimizer)], "loops": {}}
+    state = gather_free_state(checkpoint, model)
+    assert list(state) == list(checkpoint)
+    assert state["state_dict"] is model
+    assert state["optimizer_states"] == [optimizer]
+
+    checkpoint["state_dict"]["extra"] = torch.zeros(1)
+    with pytest.warns(UserWarning, match="`on_save_checkpoint` hook changed"):
+        assert gather_free_state(checkpoint, model) is None
+    fill_gathered(checkpoint, lambda: {"weight": torch.ones(1)}, lambda optimizer: {"state": {}, "param_groups": []})
+    assert checkpoint["state_dict"] == {"weight": torch.ones(1), "extra": torch.zeros(1)}  # the hook's entry kept
+    assert checkpoint["optimizer_states"] == [{"state": {}, "param_groups": []}]
+
+
+def test_save_hooks_that_see_the_states_get_the_gathered_save():
+    """A callback's or the module's `on_save_checkpoint` may filter the states (LoRA weights alone): then the save
+    gathers, as upstream's, and says so once."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_fsdp.pytorch.saving import hooks_allow_stand_ins
+
+    class KeepLoRA(Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if "lora" in k}
+
+    assert hooks_allow_stand_ins(Trainer(accelerator="cpu", logger=False))  # ModelCheckpoint, the progress bar
+    trainer = Trainer(accelerator="cpu", logger=False, callbacks=[KeepLoRA()])
+    with pytest.warns(UserWarning, match=r"`KeepLoRA.on_save_checkpoint` may read or change"):
+        assert not hooks_allow_stand_ins(trainer)

@@ -19,6 +19,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
@@ -33,9 +34,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.devices import _check_cluster_environment, _check_distinct_devices
+from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
+from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import init_loading_options, load_options
 from lightning_fsdp.pytorch.loading import is_fitting, load_weights, resume
+from lightning_fsdp.pytorch.saving import (
+    _OPTIMIZERS_KEY,
+    Deferred,
+    fill_gathered,
+    gather_free_state,
+    hooks_allow_stand_ins,
+    parameter_names,
+)
+from lightning_fsdp.saving import save_full_checkpoint
 from lightning_fsdp.strategy import _full_state_dict_type, wrap_on_cpu
 
 if TYPE_CHECKING:
@@ -155,6 +167,64 @@ class FSDPStrategy(_FSDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state for a checkpoint: a stand-in that :meth:`save_checkpoint` fills without a gather.
+
+        See :mod:`lightning_fsdp.pytorch.saving`. Where the save cannot serve, upstream's state (for a full checkpoint,
+        gathered on rank 0).
+
+        """
+        assert self.model is not None
+        if self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer):
+            return Deferred(self.model)
+        return self._gathered_module_state()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
+        """An optimizer's state for a checkpoint: a stand-in, as for :meth:`lightning_module_state_dict`."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer):
+            return Deferred(optimizer)
+        return self._gathered_optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Save a checkpoint; a full one (``state_dict_type="full"``) without a gather, each rank its own slices.
+
+        The file is the one upstream writes, byte for byte, written by every rank at once into a temporary file that
+        replaces ``filepath`` once every rank has succeeded (:func:`lightning_fsdp.saving.save_full_checkpoint`);
+        its folder is created as upstream creates it. Where that cannot serve (an ``on_save_checkpoint`` hook that
+        changed the model's or an optimizer's state, a layout the writer does not know), the states are gathered on
+        rank 0 and saved as upstream saves them, with one warning.
+
+        """
+        assert self.model is not None
+        if self._saves_without_gather() and storage_options is None:
+            state = gather_free_state(checkpoint, self.model)
+            if state is not None:
+                path = Path(self.broadcast(filepath))
+                if self.is_global_zero:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                names = parameter_names(self.model)
+                with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
+                    if save_full_checkpoint(
+                        self, path, state, None, self.model, False, _OPTIMIZERS_KEY, index_keys=names
+                    ):
+                        return
+        fill_gathered(checkpoint, self._gathered_module_state, self._gathered_optimizer_state)
+        with torch_internal_warnings_silenced():
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _saves_without_gather(self) -> bool:
+        # FSDP1 with flat parameters (`use_orig_params=False`): upstream's full optimizer state fails to re-key
+        # ("Each parameter should only map to one parameter name"), so there is no file of upstream's to write
+        return (
+            self._state_dict_type == "full"
+            and self.parallel_devices is not None
+            and bool(self.kwargs.get("use_orig_params", True))
+        )
+
+    def _gathered_module_state(self) -> dict[str, Any]:
         if self._state_dict_type != "full" or not self._on_cpu():
             return super().lightning_module_state_dict()
         assert self.model is not None
@@ -162,15 +232,12 @@ class FSDPStrategy(_FSDPStrategy):
         with _full_state_dict_type(self.model, rank0_only=True, offload_to_cpu=False):
             return self.model.state_dict()
 
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
+    def _gathered_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._state_dict_type != "full" or not self._on_cpu():
             return super().optimizer_state(optimizer)
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import OptimStateKeyType
 
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
         assert self.model is not None
         with _full_state_dict_type(self.model, rank0_only=True, offload_to_cpu=False):
             state_dict = FSDP.optim_state_dict(self.model, optimizer)

@@ -18,16 +18,29 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 
 from contextlib import AbstractContextManager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import init_loading_options, load_options
 from lightning_fsdp.pytorch.loading import is_fitting, load_weights, resume
+from lightning_fsdp.pytorch.saving import (
+    _OPTIMIZERS_KEY,
+    Deferred,
+    fill_gathered,
+    gather_free_state,
+    hooks_allow_stand_ins,
+    parameter_names,
+)
+from lightning_fsdp.saving import save_full_checkpoint
 
 
 class ModelParallelStrategy(_ModelParallelStrategy):
@@ -64,6 +77,49 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             timeout=timeout,
         )
         init_loading_options(self, load_concurrency, load_progress)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """A stand-in that :meth:`save_checkpoint` fills without a gather, for a full checkpoint; else upstream's."""
+        assert self.model is not None
+        if self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer):
+            return Deferred(self.model)
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """A stand-in, as for :meth:`lightning_module_state_dict`; else upstream's."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer):
+            return Deferred(optimizer)
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Save a checkpoint; a full one (``save_distributed_checkpoint=False``) without a gather.
+
+        See :meth:`lightning_fsdp.pytorch.FSDPStrategy.save_checkpoint`.
+
+        """
+        assert self.model is not None
+        if self._saves_without_gather() and storage_options is None:
+            state = gather_free_state(checkpoint, self.model)
+            if state is not None:
+                path = Path(self.broadcast(filepath))
+                if self.is_global_zero:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                names = parameter_names(self.model)
+                with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
+                    if save_full_checkpoint(
+                        self, path, state, None, self.model, True, _OPTIMIZERS_KEY, names, modules_first=False
+                    ):
+                        return
+        fill_gathered(checkpoint, super().lightning_module_state_dict, super().optimizer_state)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _saves_without_gather(self) -> bool:
+        return not self._save_distributed_checkpoint and self.parallel_devices is not None
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

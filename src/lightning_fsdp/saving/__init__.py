@@ -30,8 +30,16 @@ def save_full_checkpoint(
     filter: dict[str, Callable[[str, Any], bool]] | None,
     module: Module,
     fsdp2: bool,
+    optimizer_list: str | None = None,
+    index_keys: list[str] | None = None,
+    modules_first: bool | None = None,
 ) -> bool:
     """Write the full checkpoint of ``state`` at ``path`` from every rank; ``False`` if it must be gathered instead.
+
+    ``optimizer_list`` names an entry of ``state`` that holds a list of optimizers, and ``index_keys`` keys their
+    states by parameter index (see :class:`~.consolidated.SaveRequest`): the Trainer's checkpoint. ``modules_first``
+    puts the model and optimizers before the other entries, as Fabric's ``ModelParallelStrategy`` does (the default
+    with ``fsdp2``); the Trainer keeps the checkpoint's order.
 
     Every rank calls it with the same arguments. When the state cannot be served (a ``filter``, a sharding layout or
     an optimizer state this writer does not know, ranks that do not share a file system), nothing is written, rank 0
@@ -59,9 +67,11 @@ def save_full_checkpoint(
         fsdp2=fsdp2,
         namespace=namespace,
         ranks=Ranks(strategy.global_rank, strategy.world_size),
-        modules_first=fsdp2,
+        modules_first=fsdp2 if modules_first is None else modules_first,
         sorted_optimizer_names=not fsdp2 and _uses_orig_params(module),
         flat_optimizer_order=not fsdp2 and not _uses_orig_params(module),
+        optimizer_list=optimizer_list,
+        index_keys=index_keys,
     )
     reason = save(request, _converted)
     if reason is not None:

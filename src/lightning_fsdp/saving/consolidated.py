@@ -503,6 +503,13 @@ class SaveRequest:
     """FSDP1 with ``use_orig_params=True`` lists the optimizer's state by sorted parameter names."""
     flat_optimizer_order: bool = False
     """FSDP1 with ``use_orig_params=False`` lists each parameter's per-element states before its other states."""
+    optimizer_list: str | None = None
+    """The entry of ``state`` that holds a list of optimizers (the Trainer's ``"optimizer_states"``); each is saved in
+    its place in the list."""
+    index_keys: list[str] | None = None
+    """Key each optimizer's state by the index of its parameters in this list of names, as
+    ``FSDP.rekey_optim_state_dict(..., OptimStateKeyType.PARAM_ID, model)`` does (the Trainer's full checkpoint);
+    ``None`` keeps the names."""
     safetensors: bool = False
     """Write the model's tensors in ``.safetensors`` format instead (each tied tensor once; see :mod:`.export`)."""
     max_shard_size: int | None = None
@@ -527,7 +534,7 @@ def save(request: SaveRequest, converted: Callable[[Any], Any]) -> str | None:
     ranks = request.ranks
     directory = request.safetensors and request.max_shard_size is not None
     tmp = temporary_path(request.path, request.namespace)
-    optimizers = {key: obj for key, obj in request.state.items() if isinstance(obj, Optimizer)}
+    optimizers = _optimizers(request)
     token = memoryview(request.namespace.encode())
     fds: list[int] = []
     try:
@@ -751,14 +758,42 @@ def _finish(
     os.fsync(fd)
 
 
+def _optimizers(request: SaveRequest) -> dict[str, Optimizer]:
+    """The optimizers to save, by the label of their place: a key of ``state``, or ``key/index`` in its list."""
+    optimizers = {key: obj for key, obj in request.state.items() if isinstance(obj, Optimizer)}
+    if request.optimizer_list is not None:
+        for index, optimizer in enumerate(request.state.get(request.optimizer_list, [])):
+            optimizers[f"{request.optimizer_list}/{index}"] = optimizer
+    return optimizers
+
+
+def _keyed_by_index(state: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by parameter names, keyed by the parameters' indices in ``names`` instead.
+
+    The order of the entries is kept, and each group lists its indices sorted, as ``FSDP.rekey_optim_state_dict``
+    (``OptimStateKeyType.PARAM_ID``) writes them.
+
+    """
+    index = {name: position for position, name in enumerate(names)}
+    groups = [{**group, "params": sorted(index[name] for name in group["params"])} for group in state["param_groups"]]
+    return {"state": {index[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+
+
 def _skeleton_state(request: SaveRequest, plan: _Plan, layout: _Layout, converted: Callable) -> dict:
     full: dict[str, Any] = {}
     other: dict[str, Any] = {}
+
+    def optimizer_skeleton(label: str) -> dict:
+        skeleton = _skeleton_optimizer(plan, layout, label, request.sorted_optimizer_names)
+        return skeleton if request.index_keys is None else _keyed_by_index(skeleton, request.index_keys)
+
     for key, obj in request.state.items():
         if obj is request.module:
             full[key] = _skeleton_model(plan, layout, request.module, request.fsdp2)
         elif isinstance(obj, Optimizer):
-            full[key] = _skeleton_optimizer(plan, layout, key, request.sorted_optimizer_names)
+            full[key] = optimizer_skeleton(key)
+        elif key == request.optimizer_list:
+            full[key] = [optimizer_skeleton(f"{key}/{index}") for index in range(len(obj))]
         elif request.modules_first:
             other[key] = converted(obj)
         else:

@@ -69,3 +69,23 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(value) for value in obj)
     return obj
+
+
+def assert_identical(actual: Any, expected: Any, path: str = "") -> None:
+    """Same types, same keys in the same order, same dtypes, shapes and bytes (NaN and -0.0 included)."""
+    assert type(actual) is type(expected), f"{path}: {type(actual).__name__} != {type(expected).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert (actual.dtype, actual.shape) == (expected.dtype, expected.shape), path
+        assert actual.device == expected.device, path
+        left, right = actual.contiguous().reshape(-1), expected.contiguous().reshape(-1)
+        assert torch.equal(left.view(torch.uint8), right.view(torch.uint8)), f"{path}: bytes differ"
+    elif isinstance(expected, dict):
+        assert list(actual) == list(expected), f"{path}: keys {list(actual)} != {list(expected)}"
+        for key in expected:
+            assert_identical(actual[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), path
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_identical(a, e, f"{path}[{index}]")
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"

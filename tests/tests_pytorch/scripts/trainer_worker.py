@@ -80,13 +80,16 @@ class Report(pl.Callback):
     def _report(self, trainer):
         strategy = trainer.strategy
         # the full states (gathered on rank 0), in the format of the Trainer's full checkpoint, whatever it saves
+        # (gathered, not the stand-ins that the gather-free save fills)
         full = {"_state_dict_type": "full", "_save_distributed_checkpoint": False}
         saves = {name: getattr(strategy, name) for name in full if hasattr(strategy, name)}
         for name in saves:
             setattr(strategy, name, full[name])
+        strategy._saves_without_gather = lambda: False
         state = {"state_dict": strategy.lightning_module_state_dict(), "global_step": trainer.global_step}
         if trainer.optimizers:
             state["optimizer_states"] = [strategy.optimizer_state(optimizer) for optimizer in trainer.optimizers]
+        del strategy._saves_without_gather
         for name, value in saves.items():
             setattr(strategy, name, value)
         if trainer.global_rank == 0:
@@ -106,6 +109,7 @@ def main() -> None:
     parser.add_argument("--wrap", action="store_true", help="wrap each Linear in its own FSDP unit")
     parser.add_argument("--flat-params", action="store_true", help="use_orig_params=False")
     parser.add_argument("--strategy", choices=["fsdp", "model_parallel"], default="fsdp")
+    parser.add_argument("--gathered", help="also save the checkpoint with upstream's gather, to this path")
     args = parser.parse_args()
 
     model_class = Model
@@ -144,6 +148,9 @@ def main() -> None:
     if args.mode == "save":
         trainer.fit(model_class(), loader)
         trainer.save_checkpoint(args.ckpt)
+        if args.gathered:
+            strategy._saves_without_gather = lambda: False  # the states gathered on rank 0, as upstream saves them
+            trainer.save_checkpoint(args.gathered)
     elif args.mode == "resume":
         trainer.fit(model_class(), loader, ckpt_path=args.ckpt)
     else:
