@@ -198,8 +198,7 @@ class FSDPStrategy(_FSDPStrategy):
         rank 0 and saved as upstream saves them, with one warning.
 
         """
-        assert self.model is not None
-        if self._saves_without_gather() and storage_options is None:
+        if self.model is not None and self._saves_without_gather() and storage_options is None:
             state = gather_free_state(checkpoint, self.model)
             if state is not None:
                 path = Path(self.broadcast(filepath))

@@ -102,8 +102,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         See :meth:`lightning_fsdp.pytorch.FSDPStrategy.save_checkpoint`.
 
         """
-        assert self.model is not None
-        if self._saves_without_gather() and storage_options is None:
+        if self.model is not None and self._saves_without_gather() and storage_options is None:
             state = gather_free_state(checkpoint, self.model)
             if state is not None:
                 path = Path(self.broadcast(filepath))

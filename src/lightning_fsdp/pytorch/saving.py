@@ -104,6 +104,8 @@ def fill_gathered(
     hooks make :func:`hooks_allow_stand_ins` refuse the stand-ins in the first place).
 
     """
+    if not isinstance(checkpoint, dict):
+        return  # upstream's save raises its own error for it
     stand_in = checkpoint.get(_MODEL_KEY)
     if isinstance(stand_in, Deferred):
         checkpoint[_MODEL_KEY] = {**gather_model(), **stand_in}
