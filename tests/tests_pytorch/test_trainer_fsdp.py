@@ -358,3 +358,17 @@ def test_save_hooks_that_see_the_states_get_the_gathered_save():
     trainer = Trainer(accelerator="cpu", logger=False, callbacks=[KeepLoRA()])
     with pytest.warns(UserWarning, match=r"`KeepLoRA.on_save_checkpoint` may read or change"):
         assert not hooks_allow_stand_ins(trainer)
+
+
+def test_resume_unpickles_only_plain_objects_unless_told(tmp_path):
+    """`weights_only` of `trainer.fit`: a checkpoint holding another object is refused by default, with the fix."""
+    strategy, module = _unlaunched_strategy(tmp_path)
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": {"when": _Custom()}}, tmp_path / "c.ckpt")
+    with pytest.raises(RuntimeError, match=r"load it with `weights_only=False`.*_Custom"):
+        strategy.load_checkpoint(tmp_path / "c.ckpt")
+    restored = strategy.load_checkpoint(tmp_path / "c.ckpt", weights_only=False)
+    assert isinstance(restored["hyper_parameters"]["when"], _Custom)
+
+
+class _Custom:
+    """An object that a Trainer checkpoint may hold (in `hyper_parameters`): unpickling it runs its class's code."""
