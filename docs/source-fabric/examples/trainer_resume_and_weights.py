@@ -4,15 +4,17 @@
 runs on two CPU ranks. The first run starts from a ``.safetensors`` file (``LoadWeights``, each rank reading only its
 slices) and ``ModelCheckpoint`` saves a full checkpoint without a gather (every rank writes its own slices of the model
 and of the optimizer state into the one file). The second run resumes from that checkpoint (``ckpt_path="last"``),
-each rank reading only its slices again.
+each rank reading only its slices again: the model, AdamW's state, the step and the loops.
 
 Run it with ``python trainer_resume_and_weights.py``: the Trainer launches the second process itself. It needs no GPU.
 """
 
 # Checked by tests/tests_fabric/test_docs_examples.py: rank 0 prints (or the package logs) lines containing
-# expect: started from pretrained.safetensors: head.bias = [0.5, 0.5, 0.5]
+# expect: training starts from pretrained.safetensors at step 0: head.bias = [0.5, 0.5, 0.5]
 # expect: without a gather: each of the 2 ranks wrote its own slices into the one file
 # expect: saved checkpoints/last.ckpt at step 4
+# expect: training starts from last.ckpt at step 4: head.bias
+# expect: trained to step 6
 # expect: resumed from checkpoints/last.ckpt at step 4, trained to step 6
 
 import os
@@ -67,13 +69,16 @@ def trainer(max_steps: int, **kwargs) -> pl.Trainer:
 
 
 class PrintStart(pl.Callback):
+    """Rank 0 prints where training starts: the step, and the head's bias (gathered from the ranks' slices)."""
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        with FullyShardedDataParallel.summon_full_params(trainer.strategy.model):  # each rank holds a slice
-            bias = pl_module.head.bias.tolist()
+        with FullyShardedDataParallel.summon_full_params(trainer.strategy.model):
+            bias = [round(value, 4) for value in pl_module.head.bias.tolist()]
         if trainer.global_rank == 0:
-            print(f"started from pretrained.safetensors: head.bias = {bias}")
+            source = os.path.basename(trainer.ckpt_path) if trainer.ckpt_path else "pretrained.safetensors"
+            print(f"training starts from {source} at step {trainer.global_step}: head.bias = {bias}")
 
 
 def main() -> None:
@@ -88,11 +93,11 @@ def main() -> None:
         step = torch.load("checkpoints/last.ckpt", weights_only=True)["global_step"]
         print(f"saved checkpoints/last.ckpt at step {step}")
 
-    second = trainer(6)
-    model = Classifier()
-    second.fit(model, data, ckpt_path="checkpoints/last.ckpt")
+    # "last": Lightning finds the newest `last*.ckpt` of the run's ModelCheckpoint, as it does without this package
+    second = trainer(6, callbacks=[PrintStart(), ModelCheckpoint(dirpath="checkpoints", save_last=True)])
+    second.fit(Classifier(), data, ckpt_path="last")
     if second.global_rank == 0:
-        print(f"resumed from checkpoints/last.ckpt at step 4, trained to step {second.global_step}")
+        print(f"trained to step {second.global_step}")
 
 
 if __name__ == "__main__":
