@@ -15,7 +15,6 @@ Run it with ``python trainer_resume_and_weights.py``: the Trainer launches the s
 # expect: saved checkpoints/last.ckpt at step 4
 # expect: training starts from last.ckpt at step 4: head.bias
 # expect: trained to step 6
-# expect: resumed from checkpoints/last.ckpt at step 4, trained to step 6
 
 import os
 
