@@ -37,16 +37,12 @@ PYTEST_WORKERS ?= 2
 
 test: setup
 	$(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --dist worksteal
-	bash tools/test_patched_upstream.sh $(PY)
-	bash tools/test_core_on_sdist.sh $(PY)
-	bash tools/test_trainer_drop_in.sh $(PY)
+	bash tools/test_upstream_checks.sh $(PY)
 
 # The series (tools/upstream_series.py) written into Lightning's pinned master, and Lightning's tests run on it; then
 # written into the installed release's sdist, and the core's tests run on it with Lightning's names.
 test-upstream: setup
-	bash tools/test_patched_upstream.sh $(PY)
-	bash tools/test_core_on_sdist.sh $(PY)
-	bash tools/test_trainer_drop_in.sh $(PY)
+	bash tools/test_upstream_checks.sh $(PY)
 
 test-standalone: setup
 	bash tests/run_standalone_tests.sh

@@ -54,6 +54,7 @@ from lightning_fsdp.loading_calls import (
     load_request,
     raise_if_path_refused,
 )
+from lightning_fsdp.saving.background import BackgroundSaves
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -86,6 +87,8 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
             loaded with ``weights_only=False``) in host memory at the same time; ``"auto"`` derives it from the
             memory available to the node. See :class:`lightning_fsdp.FSDPStrategy`.
         load_progress: Show a progress bar while loading, once per node, when the output is a terminal.
+        save_in_background: Write full checkpoints (``save_distributed_checkpoint=False``) in the background; see
+            :class:`lightning_fsdp.FSDPStrategy`.
 
     """
 
@@ -99,6 +102,7 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         load_concurrency: int | Literal["auto"] = "auto",
         load_progress: bool = True,
+        save_in_background: bool = False,
     ) -> None:
         super().__init__(
             parallelize_fn=parallelize_fn,
@@ -109,6 +113,7 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
             timeout=timeout,
         )
         init_loading_options(self, load_concurrency, load_progress)
+        self._background_saves = BackgroundSaves() if save_in_background else None
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -189,6 +194,7 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
         state is read.
 
         """
+        self.wait_for_save()
         if not self._save_distributed_checkpoint and storage_options is None:
             path = self.broadcast(path)
             if Path(path).is_dir() and not _upstream._is_sharded_checkpoint(Path(path)):
@@ -198,7 +204,9 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
                 from lightning_fsdp.saving import save_full_checkpoint
 
                 with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
-                    if save_full_checkpoint(self, path, state, filter, modules[0], fsdp2=True):
+                    if save_full_checkpoint(
+                        self, path, state, filter, modules[0], fsdp2=True, background=self._background_saves
+                    ):
                         return
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
@@ -229,6 +237,7 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
         ranges; a remote sharded directory too, by the same validated reader.
 
         """
+        self.wait_for_save()
         if not state:
             raise ValueError(
                 f"Got {type(self).__name__}.load_checkpoint(..., state={state!r}) but a state with at least "
@@ -254,6 +263,20 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
                     shards="distributed checkpoint shards",
                 )
                 raise
+
+    def wait_for_save(self) -> None:
+        """Wait for the full checkpoint saved in the background, if any; see :class:`lightning_fsdp.FSDPStrategy`."""
+        if self._background_saves is not None:
+            with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
+                self._background_saves.wait()
+
+    @override
+    def teardown(self) -> None:
+        """Wait for a save in the background (and raise its error), then upstream's teardown."""
+        try:
+            self.wait_for_save()
+        finally:
+            super().teardown()
 
     def load_options(
         self,

@@ -58,6 +58,7 @@ from lightning_fsdp.loading_calls import (
     load_request,
     raise_if_path_refused,
 )
+from lightning_fsdp.saving.background import BackgroundSaves
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
@@ -86,6 +87,10 @@ class FSDPStrategy(_CoreFSDPStrategy):
             time. With ``weights_only=True`` (the default) every format is read by byte ranges and needs no turns.
         load_progress: Show a progress bar while loading, once per node, when the output is a terminal. The
             environment variable ``LIGHTNING_FSDP_PROGRESS=0`` turns it off too.
+        save_in_background: Write full checkpoints (``state_dict_type="full"``) in the background: ``fabric.save``
+            returns once every rank holds a copy of its slices, and the file appears when every rank has written it.
+            The next save, a load and :meth:`wait_for_save` wait for it and raise its error (see
+            :mod:`lightning_fsdp.saving.background`).
 
     """
 
@@ -110,6 +115,7 @@ class FSDPStrategy(_CoreFSDPStrategy):
         *,
         load_concurrency: int | Literal["auto"] = "auto",
         load_progress: bool = True,
+        save_in_background: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -130,6 +136,7 @@ class FSDPStrategy(_CoreFSDPStrategy):
             **kwargs,
         )
         init_loading_options(self, load_concurrency, load_progress)
+        self._background_saves = BackgroundSaves() if save_in_background else None
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -227,12 +234,15 @@ class FSDPStrategy(_CoreFSDPStrategy):
         frees right after, which crashes.
 
         """
+        self.wait_for_save()
         if self._state_dict_type == "full" and storage_options is None and self.parallel_devices is not None:
             from lightning_fsdp.saving import save_full_checkpoint
 
             module = _single_fsdp_module(state, saving=True)
             with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
-                if save_full_checkpoint(self, path, state, filter, module, fsdp2=False):
+                if save_full_checkpoint(
+                    self, path, state, filter, module, fsdp2=False, background=self._background_saves
+                ):
                     return None
         if self._state_dict_type != "full" or not self._set_up_on_cpu():
             with torch_internal_warnings_silenced():
@@ -299,6 +309,7 @@ class FSDPStrategy(_CoreFSDPStrategy):
                 ``False`` only for a file you trust: unpickling can run code.
 
         """
+        self.wait_for_save()
         state, module_key = _checked_state(state)
         request = load_request(state, module_key, strict, weights_only is not False, self._load_rename)
         # broadcast the path from rank 0 to ensure all the states are loaded from a common path (with the namespace of
@@ -316,6 +327,25 @@ class FSDPStrategy(_CoreFSDPStrategy):
                     shards="FSDP checkpoint shards",
                 )
                 raise
+
+    def wait_for_save(self) -> None:
+        """Wait for the full checkpoint being saved in the background, if any (``save_in_background=True``).
+
+        Raises:
+            CheckpointSaveError: On every rank, if that save failed: no file replaced the one at its path.
+
+        """
+        if self._background_saves is not None:
+            with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
+                self._background_saves.wait()
+
+    @override
+    def teardown(self) -> None:
+        """Wait for a save in the background (and raise its error), then upstream's teardown."""
+        try:
+            self.wait_for_save()
+        finally:
+            super().teardown()
 
     def load_options(
         self,

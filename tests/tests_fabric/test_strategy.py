@@ -34,7 +34,7 @@ def test_signature_is_upstreams_plus_ours():
     ours = list(inspect.signature(FSDPStrategy).parameters.values())
     assert [p.name for p in upstream][-1] == "kwargs"
     *upstream_named, upstream_kwargs = upstream
-    *ours_named, load_concurrency, load_progress, ours_kwargs = ours
+    *ours_named, load_concurrency, load_progress, save_in_background, ours_kwargs = ours
     for mine, theirs in zip(ours_named, upstream_named, strict=True):
         assert (mine.name, mine.kind, mine.default, mine.annotation) == (
             theirs.name,
@@ -46,6 +46,8 @@ def test_signature_is_upstreams_plus_ours():
     assert load_concurrency.kind is load_progress.kind is inspect.Parameter.KEYWORD_ONLY
     assert (load_concurrency.name, load_concurrency.default) == ("load_concurrency", "auto")
     assert (load_progress.name, load_progress.default) == ("load_progress", True)
+    assert save_in_background.kind is inspect.Parameter.KEYWORD_ONLY
+    assert (save_in_background.name, save_in_background.default) == ("save_in_background", False)
     assert inspect.signature(FSDPStrategy.__init__).return_annotation is None
 
 

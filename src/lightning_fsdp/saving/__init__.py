@@ -7,6 +7,7 @@ explains how the files are written.
 """
 
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 
 from lightning_fsdp.loading.agreement import new_namespace
+from lightning_fsdp.saving.background import BackgroundSaves
 from lightning_fsdp.saving.consolidated import CheckpointSaveError, Ranks, SaveRequest, save
 
 __all__ = ["CheckpointSaveError", "save_full_checkpoint", "save_safetensors"]
@@ -33,13 +35,16 @@ def save_full_checkpoint(
     optimizer_list: str | None = None,
     index_keys: list[str] | None = None,
     modules_first: bool | None = None,
+    background: BackgroundSaves | None = None,
 ) -> bool:
     """Write the full checkpoint of ``state`` at ``path`` from every rank; ``False`` if it must be gathered instead.
 
     ``optimizer_list`` names an entry of ``state`` that holds a list of optimizers, and ``index_keys`` keys their
     states by parameter index (see :class:`~.consolidated.SaveRequest`): the Trainer's checkpoint. ``modules_first``
     puts the model and optimizers before the other entries, as Fabric's ``ModelParallelStrategy`` does (the default
-    with ``fsdp2``); the Trainer keeps the checkpoint's order.
+    with ``fsdp2``); the Trainer keeps the checkpoint's order. With ``background``, the call returns once every rank
+    holds a copy of its slices, and the file is written in the background (see :mod:`.background`); the caller
+    must have waited for the previous save.
 
     Every rank calls it with the same arguments. When the state cannot be served (a ``filter``, a sharding layout or
     an optimizer state this writer does not know, ranks that do not share a file system), nothing is written, rank 0
@@ -73,17 +78,29 @@ def save_full_checkpoint(
         optimizer_list=optimizer_list,
         index_keys=index_keys,
     )
-    reason = save(request, _converted)
+    hand_off = None
+    if background is not None:
+        request.snapshot = background.snapshot
+        hand_off = partial(background.start, what=repr(str(path)))
+    reason = save(request, _converted, hand_off)
     if reason is not None:
         _warn_fallback(reason)
         return False
     if not _said_gather_free:
         # once per process: which save ran is never a guess (the gather at 65B is the crash this save avoids)
         _said_gather_free.append(True)
-        rank_zero_info(
-            f"Saved the full checkpoint {str(path)!r} without a gather: each of the {strategy.world_size} ranks wrote"
-            " its own slices into the one file (Lightning's gathered save would hold it all on rank 0). Said once."
-        )
+        if background is not None:
+            rank_zero_info(
+                f"Saving the full checkpoint {str(path)!r} without a gather, in the background: each of the"
+                f" {strategy.world_size} ranks writes its own slices into the one file from a copy in host memory, and"
+                " the file appears when every rank has written it. Said once."
+            )
+        else:
+            rank_zero_info(
+                f"Saved the full checkpoint {str(path)!r} without a gather: each of the {strategy.world_size} ranks"
+                " wrote its own slices into the one file (Lightning's gathered save would hold it all on rank 0). Said"
+                " once."
+            )
     return True
 
 

@@ -23,6 +23,7 @@ Host memory per rank: its shard (already there) plus, for tensors on an accelera
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import math
@@ -31,7 +32,7 @@ import pickle
 import struct
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -396,6 +397,36 @@ def _local_writes(plan: _Plan, layout: _Layout) -> list[_LocalWrite]:
 # Writing
 
 
+def _snapshot(writes: list[_LocalWrite], buffers: dict[int, Tensor]) -> list[_LocalWrite]:
+    """The writes, from copies in host memory: one buffer per distinct memory written, reused from save to save.
+
+    Several records may be written from the same memory (the optimizer state of an FSDP flat parameter holds the
+    slices of several tensors): it is copied once. ``buffers`` keeps the copies by their order, which is the same from
+    one save to the next of the same model and optimizers; a buffer of another size or dtype is replaced.
+
+    """
+    copies: dict[tuple[int, int, torch.dtype], Tensor] = {}
+    copied = []
+    for write in writes:
+        key = (write.flat.data_ptr(), write.flat.numel(), write.flat.dtype)
+        if key not in copies:
+            slot = len(copies)
+            buffer = buffers.get(slot)
+            if buffer is None or buffer.dtype != write.flat.dtype or buffer.numel() != write.flat.numel():
+                # pinned where the slices are on a GPU: the copy runs as a DMA and overlaps what follows
+                pin = write.flat.device.type == "cuda"
+                buffer = torch.empty(write.flat.numel(), dtype=write.flat.dtype, pin_memory=pin)
+                buffers[slot] = buffer
+            buffer.copy_(write.flat, non_blocking=buffer.is_pinned())
+            copies[key] = buffer
+        copied.append(_LocalWrite(write.record, copies[key], write.runs))
+    for slot in [slot for slot in buffers if slot >= len(copies)]:
+        del buffers[slot]  # the model shrank: hold no more than one copy of this save's slices
+    if any(buffer.is_pinned() for buffer in copies.values()):
+        torch.cuda.synchronize()
+    return copied
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data.nbytes:
         written = os.pwrite(fd, data[:_WRITE_BYTES], offset)
@@ -514,6 +545,9 @@ class SaveRequest:
     """Write the model's tensors in ``.safetensors`` format instead (each tied tensor once; see :mod:`.export`)."""
     max_shard_size: int | None = None
     """With ``safetensors``: write a directory as ``save_pretrained`` does, with shards of at most this many bytes."""
+    snapshot: dict[int, Tensor] = field(default_factory=dict)
+    """Host buffers for a save in the background (:func:`save` with ``hand_off``), by record; kept from one save to
+    the next, and reused where a record's size and dtype are unchanged."""
 
 
 def temporary_path(path: Path, namespace: str) -> Path:
@@ -521,16 +555,46 @@ def temporary_path(path: Path, namespace: str) -> Path:
     return path.with_name(f".{path.name}.{namespace}.tmp")
 
 
-def save(request: SaveRequest, converted: Callable[[Any], Any]) -> str | None:
+def save(
+    request: SaveRequest,
+    converted: Callable[[Any], Any],
+    hand_off: Callable[[Callable[[], None]], None] | None = None,
+) -> str | None:
     """Write the checkpoint; return ``None`` when written, or why it cannot be served (then nothing was written).
 
     ``converted`` turns an entry of the state that is neither the module nor an optimizer into what is saved for it
     (``obj.state_dict()`` for a stateful object), as the strategy does.
 
+    With ``hand_off``, the save returns as soon as the ranks have agreed on the file's layout and this rank holds a
+    copy of everything it writes (its slices, in ``request.snapshot`` buffers; on rank 0 the pickled entries too):
+    ``hand_off`` gets the rest of the save (the writes, the agreement, the rename), to run in a background thread,
+    where it raises what the synchronous save raises. The model and optimizers may change meanwhile: the file holds
+    them as they were at the call.
+
     Raises:
         CheckpointSaveError: On every rank, if any rank failed (the temporary files are removed, the path untouched).
 
     """
+    steps = _save_steps(request, converted, snapshot=hand_off is not None)
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    assert hand_off is not None
+
+    def rest() -> None:
+        try:
+            next(steps)
+        except StopIteration:
+            return
+        raise AssertionError("a save hands off once")
+
+    hand_off(rest)
+    return None
+
+
+def _save_steps(request: SaveRequest, converted: Callable[[Any], Any], snapshot: bool) -> Iterator[None]:
+    """The save, as a generator: with ``snapshot``, it yields once, where the rest may run in another thread."""
     ranks = request.ranks
     directory = request.safetensors and request.max_shard_size is not None
     tmp = temporary_path(request.path, request.namespace)
@@ -583,7 +647,16 @@ def save(request: SaveRequest, converted: Callable[[Any], Any]) -> str | None:
                     return reason
                 assert plan is not None
                 assert layout is not None
-                crcs = _write_runs(fds, _local_writes(plan, layout), layout, crc=exported is None)
+                writes = _local_writes(plan, layout)
+                full_state = None
+                if ranks.rank == 0 and exported is None:
+                    full_state = _skeleton_state(request, plan, layout, converted)
+                if snapshot:
+                    # the rank's own copy of what it writes; the caller's model and optimizers are free from here on
+                    writes = _snapshot(writes, request.snapshot)
+                    full_state = copy.deepcopy(full_state)
+                    yield
+                crcs = _write_runs(fds, writes, layout, crc=exported is None)
                 for fd in fds:
                     os.fsync(fd)
             except BaseException as error:
@@ -597,7 +670,7 @@ def save(request: SaveRequest, converted: Callable[[Any], Any]) -> str | None:
                 if exported is not None:
                     _finish_export(fds, exported, tmp if directory else None)
                 else:
-                    _finish(fds[0], request, plan, layout, all_crcs, converted)
+                    _finish(fds[0], layout, all_crcs, full_state)
                 while fds:
                     os.close(fds.pop())
                 if directory:
@@ -722,9 +795,7 @@ def _exchange(agreement: Agreement, name: str, value: Any, ranks: Ranks) -> list
     ]
 
 
-def _finish(
-    fd: int, request: SaveRequest, plan: _Plan, layout: _Layout, all_crcs: list[list[int]], converted: Callable
-) -> None:
+def _finish(fd: int, layout: _Layout, all_crcs: list[list[int]], full_state: Any) -> None:
     """Rank 0: the local headers of the storages, the small storages, the pickle, the small records, the directory."""
     directory: list[tuple[archive.RecordLayout, int]] = []
     for index, placed in enumerate(layout.placed):
@@ -744,7 +815,6 @@ def _finish(
         small.append((archive.storage_record_name(key), data))
         return archive.StorageRef(key, tensor.dtype, storage.nbytes() // tensor.dtype.itemsize, location_tag(storage))
 
-    full_state = _skeleton_state(request, plan, layout, converted)
     pickled = archive.pickle_state(full_state, new_storage)
     records = [*small, (f"{archive.PREFIX}/data.pkl", pickled), *archive.small_records()]
     placed_small, end = archive.plan_records([(name, len(data)) for name, data in records], layout.end)

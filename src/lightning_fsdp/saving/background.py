@@ -1,0 +1,82 @@
+"""Full checkpoints saved in the background: the save returns once every rank holds its own copy of its slices.
+
+A strategy made with ``save_in_background=True`` hands the rest of each gather-free full save (the positioned writes,
+``fsync``, the ranks' agreement and the rename; :func:`lightning_fsdp.saving.consolidated.save` with ``hand_off``) to
+one thread of :class:`BackgroundSaves`, and training goes on. The file appears under its name, complete, when every
+rank has written and agreed, as with the synchronous save; on any failure no file replaces the earlier one and the
+temporary file is removed. At most one save is in flight per strategy: the next save, a load, ``teardown`` and
+:meth:`BackgroundSaves.wait` wait for it, and raise its error (a :class:`~.consolidated.CheckpointSaveError`, the
+same on every rank) there. A process that exits with a save in flight finishes it first (the thread is not a daemon)
+and prints its error if it failed and nobody waited for it.
+
+Host memory: one copy of what the rank writes (its slices of the model and of the optimizer state), in buffers that
+the next save reuses. The background thread meets the other ranks on the process group's store, never in a
+collective, so it does not interleave with the training loop's collectives.
+
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+
+from torch import Tensor
+
+_pending: weakref.WeakSet[BackgroundSaves] = weakref.WeakSet()
+
+
+class BackgroundSaves:
+    """The saves of one strategy that run in the background: at most one at a time."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[int, Tensor] = {}
+        """The host buffers of the rank's slices, kept from one save to the next."""
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._what = ""
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save is still being written."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, rest: Callable[[], None], what: str = "the checkpoint") -> None:
+        """Run ``rest`` (the remainder of a save) in the background; the previous save must have been waited for."""
+        assert self._thread is None, "a save is in flight: `wait()` first"
+        self._what = what
+        self._thread = threading.Thread(target=self._run, args=(rest,), name="lightning-fsdp-save", daemon=False)
+        _pending.add(self)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its error if it failed (the earlier file is then untouched)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _run(self, rest: Callable[[], None]) -> None:
+        try:
+            rest()
+        except BaseException as error:
+            self._error = error
+
+
+@atexit.register
+def _report_unwaited_failures() -> None:
+    """At exit (after the interpreter has joined the save threads): say what failed that nobody waited for."""
+    for saves in list(_pending):
+        try:
+            saves.wait()
+        except BaseException as error:
+            print(
+                f"lightning-fsdp: the background save of {saves._what} did not complete: {type(error).__name__}:"
+                f" {error}",
+                file=sys.stderr,
+            )

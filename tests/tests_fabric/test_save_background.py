@@ -1,0 +1,157 @@
+"""Full checkpoints saved in the background (`save_in_background=True`): a snapshot, never a mix; failures raised later.
+
+Each test runs real ranks (gloo) of Fabric with this package's strategies. The background write is held back until the
+training loop has stepped (a test hook on the save thread), so that the file can only hold the state at the call if
+the save copied it: the assertion does not depend on how fast the disk is.
+"""
+
+import errno
+import os
+import threading
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
+from lightning_fsdp.saving import CheckpointSaveError
+from lightning_fsdp.saving.background import BackgroundSaves
+from tests.tests_fabric.helpers.distributed import run_distributed
+from tests.tests_fabric.helpers.state import assert_identical
+
+# Saving in the background is an extension (#36): it is not carried upstream with the core.
+
+_EARLIER = b"an earlier checkpoint"
+
+
+def _parallelize(model: nn.Module, device_mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer, mesh=device_mesh["data_parallel"])
+    return fully_shard(model, mesh=device_mesh["data_parallel"])
+
+
+def _setup(strategy_name: str) -> tuple[Fabric, nn.Module, torch.optim.Optimizer]:
+    if strategy_name == "fsdp2":
+        strategy = ModelParallelStrategy(
+            _parallelize,
+            data_parallel_size=2,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=False,
+            save_in_background=True,
+        )
+    else:
+        strategy = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full", save_in_background=True)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(1)
+    model = fabric.setup_module(nn.Sequential(nn.Linear(9, 16), nn.ReLU(), nn.Linear(16, 3)))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters()))
+    _step(fabric, model, optimizer)
+    return fabric, model, optimizer
+
+
+def _step(fabric: Fabric, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    fabric.backward(model(torch.randn(4, 9)).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _held_back_saves() -> tuple[threading.Event, mock._patch]:
+    """A hook on the save thread: the background part of a save starts only once the event is set."""
+    release = threading.Event()
+    real_run = BackgroundSaves._run
+
+    def run(self, rest):
+        release.wait(timeout=60)
+        real_run(self, rest)
+
+    return release, mock.patch.object(BackgroundSaves, "_run", run)
+
+
+def _save_steps_then_wait(strategy_name: str, folder: str) -> tuple[bool, bool, bool]:
+    fabric, model, optimizer = _setup(strategy_name)
+    background = fabric.strategy._background_saves
+    state = {"model": model, "optimizer": optimizer, "step": 1}
+    # the reference: the synchronous gather-free save of the same state (bit-exact with Lightning's, test_save_*)
+    fabric.strategy._background_saves = None
+    fabric.save(f"{folder}/reference.ckpt", state)
+    fabric.strategy._background_saves = background
+
+    release, held_back = _held_back_saves()
+    with held_back:
+        fabric.save(f"{folder}/background.ckpt", state)
+        in_flight = background.in_flight and not Path(f"{folder}/background.ckpt").exists()
+        for _ in range(3):  # training goes on while the save is in flight: the model and Adam's state change
+            _step(fabric, model, optimizer)
+        release.set()
+        fabric.strategy.wait_for_save()
+    buffers = {slot: buffer.data_ptr() for slot, buffer in background.snapshot.items()}
+    # a second save reuses the host buffers of the first
+    fabric.save(f"{folder}/second.ckpt", {"model": model, "optimizer": optimizer, "step": 4})
+    fabric.strategy.wait_for_save()
+    reused = {slot: buffer.data_ptr() for slot, buffer in background.snapshot.items()} == buffers and bool(buffers)
+    # a load waits for the save in flight: the file it reads is complete
+    fabric.save(f"{folder}/third.ckpt", {"model": model, "optimizer": optimizer, "step": 5})
+    remainder = fabric.load(f"{folder}/third.ckpt", {"model": model, "optimizer": optimizer})
+    return in_flight, reused, remainder == {"step": 5}
+
+
+@pytest.mark.parametrize("strategy_name", ["fsdp1", "fsdp2"])
+def test_background_save_holds_the_state_at_the_call(strategy_name, tmp_path):
+    """The optimizer steps three times while the file is written: the file holds the state at the call, bit for bit
+    the synchronous save's; the host buffers are reused by the next save; a load waits for the save in flight."""
+    results = run_distributed(_save_steps_then_wait, strategy_name, str(tmp_path), devices=2)
+    assert [in_flight for in_flight, _, _ in results] == [True, True]
+    assert all(reused for _, reused, _ in results)
+    assert all(loaded for _, _, loaded in results)
+    background, reference = (
+        torch.load(tmp_path / f"{name}.ckpt", weights_only=True) for name in ("background", "reference")
+    )
+    assert_identical(background, reference)
+    second = torch.load(tmp_path / "second.ckpt", weights_only=True)
+    assert second["step"] == 4
+    assert not torch.equal(second["model"]["0.weight"], background["model"]["0.weight"])  # the steps did train
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def _failing_background_save(path: str) -> tuple[str, str]:
+    fabric, model, optimizer = _setup("fsdp1")
+    real_pwrite = os.pwrite
+
+    def failing_pwrite(fd: int, data: bytes, offset: int) -> int:
+        if threading.current_thread().name == "lightning-fsdp-save" and fabric.global_rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_pwrite(fd, data, offset)
+
+    with mock.patch("os.pwrite", failing_pwrite):
+        fabric.save(path, {"model": model, "optimizer": optimizer})  # returns: the failure comes later
+        _step(fabric, model, optimizer)
+        try:
+            fabric.strategy.wait_for_save()
+        except CheckpointSaveError as error:
+            raised = str(error)
+        else:
+            raised = ""
+    # the failure was raised once: the next save runs (and succeeds)
+    fabric.save(path + ".next", {"model": model, "optimizer": optimizer})
+    fabric.strategy.wait_for_save()
+    return raised, Path(path).read_bytes().decode(errors="replace")
+
+
+def test_a_failed_background_save_is_raised_on_every_rank_at_the_next_wait(tmp_path):
+    """Disk full on rank 1 during the background write: the next wait raises the same error on both ranks, naming
+    rank 1 and the cause; the earlier file is untouched and no temporary file is left."""
+    path = tmp_path / "full.ckpt"
+    path.write_bytes(_EARLIER)
+    results = run_distributed(_failing_background_save, str(path), devices=2)
+    for raised, content in results:
+        assert "rank 1" in raised
+        assert "No space left on device" in raised
+        assert content == _EARLIER.decode()
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+    assert torch.load(tmp_path / "full.ckpt.next", weights_only=True).keys() == {"model", "optimizer"}
