@@ -100,6 +100,12 @@ def _digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return digest.hexdigest()
 
 
+def _train_step(fabric: Any, model: Any, optimizer: Any, width: int) -> None:
+    fabric.backward(model(torch.randn(2, width)).sum())
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def _trained_one_step(cfg: dict[str, Any], rank: int, full: bool) -> tuple[Any, Any, Any]:
     """The benchmark's model and Adam, sharded on this rank with random weights, after one step; ``full`` chooses
     a full-checkpoint save (the strategy's ``state_dict_type="full"``, ``save_distributed_checkpoint=False``)."""
@@ -108,12 +114,19 @@ def _trained_one_step(cfg: dict[str, Any], rank: int, full: bool) -> tuple[Any, 
     from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
 
     ranks = cfg["ranks"]
+    background = cfg.get("implementation") == "background"
     if cfg["strategy"] == "fsdp2":
         strategy = ModelParallelStrategy(
-            _parallelize, data_parallel_size=ranks, tensor_parallel_size=1, save_distributed_checkpoint=not full
+            _parallelize,
+            data_parallel_size=ranks,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=not full,
+            save_in_background=background,
         )
     else:
-        strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full" if full else "sharded")
+        strategy = FSDPStrategy(
+            auto_wrap_policy={Block}, state_dict_type="full" if full else "sharded", save_in_background=background
+        )
     fabric = Fabric(accelerator="cpu", devices=ranks, strategy=strategy)
     fabric.launch()
     with fabric.init_module(empty_init=True):
@@ -154,14 +167,34 @@ def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
             fabric.save(cfg["path"], state)
         fabric.barrier()
         seconds = time.perf_counter() - start
+        steps_during = 0
+        if cfg["implementation"] == "background":
+            # training goes on while the file is written: count the steps until this rank's part of the save is done
+            blocked = seconds
+            while fabric.strategy._background_saves.in_flight:
+                _train_step(fabric, model, optimizer, cfg["width"])
+                steps_during += 1
+            fabric.strategy.wait_for_save()
+            fabric.barrier()
+            seconds = time.perf_counter() - start
     result = {
         "rank": rank,
         "seconds": seconds,
+        "steps_during": steps_during,
         "base": base,
         "peak_above_base": peak.peak - base,
         "peak_above_start": peak.peak - start,
         "written": _io("wchar") - wchar,
     }
+    if cfg["implementation"] == "background":
+        result["blocked"] = blocked
+        result["training_seconds"] = seconds - blocked
+        # the same number of steps without a save in flight, for steps per second against
+        start = time.perf_counter()
+        for _ in range(max(steps_during, 1)):
+            _train_step(fabric, model, optimizer, cfg["width"])
+        fabric.barrier()
+        result["quiet_steps_seconds"] = time.perf_counter() - start
     if cfg["implementation"] == "lightning-fsdp":
         with torch.no_grad():
             for param in model.parameters():
@@ -227,6 +260,24 @@ def _compare(ours: Path, reference: Path) -> str:
     return "bit-exact" if difference is None else f"DIFFERENT ({difference})"
 
 
+def _background_row(strategy: str, runs: dict[str, list[dict[str, Any]]], verdict: str) -> str:
+    ranks, synchronous = runs["background"], runs["lightning-fsdp"]
+    blocked = max(rank["blocked"] for rank in ranks)
+    complete = max(rank["seconds"] for rank in ranks)
+    sync_seconds = max(rank["seconds"] for rank in synchronous)
+    rank0 = ranks[0]
+    if rank0["steps_during"]:
+        during = rank0["steps_during"] / rank0["training_seconds"]
+        quiet = rank0["steps_during"] / rank0["quiet_steps_seconds"]
+        steps = f"{during:.2f} / {quiet:.2f} = {during / quiet:.2f}"
+    else:
+        steps = "n/a (the write ended before a step did)"
+    return (
+        f"| {strategy} | {blocked:.2f} s | {complete:.1f} s | {sync_seconds:.1f} s | {blocked / sync_seconds:.3f} |"
+        f" {rank0['steps_during']} | {steps} | {_gb(max(rank['peak_above_base'] for rank in ranks))} | {verdict} |"
+    )
+
+
 def _ratio_of_rank_0(ranks: list[dict[str, Any]], key: str) -> float:
     return ranks[0][key] / max(max(rank[key] for rank in ranks[1:]), 1)
 
@@ -252,10 +303,16 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     targets = []
+    background_rows = [
+        "| strategy | training blocked | file complete after | synchronous save | blocked / synchronous |"
+        " steps during the write (rank 0) | steps/s during / without a save | host memory above base (max rank) |"
+        " file vs Lightning's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     measured: dict[str, Any] = {}
     for strategy in strategies:
         runs = {}
-        for implementation in ("lightning", "lightning-fsdp"):
+        for implementation in ("lightning", "lightning-fsdp", "background"):
             path = args.workdir / f"{strategy}-{implementation}.ckpt"
             cfg = {
                 "strategy": strategy,
@@ -269,7 +326,11 @@ def main(argv: list[str] | None = None) -> int:
             runs[implementation] = _run_case(cfg)
         ours, reference = args.workdir / f"{strategy}-lightning-fsdp.ckpt", args.workdir / f"{strategy}-lightning.ckpt"
         verdict = _compare(ours, reference)
+        background_verdict = _compare(args.workdir / f"{strategy}-background.ckpt", reference)
+        background_rows.append(_background_row(strategy, runs, background_verdict))
         for implementation, ranks in runs.items():
+            if implementation == "background":
+                continue
             seconds = max(rank["seconds"] for rank in ranks)
             others = [rank["peak_above_base"] for rank in ranks[1:]]
             others_start = [rank["peak_above_start"] for rank in ranks[1:]]
@@ -299,7 +360,10 @@ def main(argv: list[str] | None = None) -> int:
             f" (target <= 0.5: {'met' if ratio_time <= 0.5 else 'NOT met'})"
         )
         measured[strategy] = runs
-    text = "\n".join([*rows, "", *targets]) + "\n"
+    text = "\n".join(
+        [*rows, "", *targets, "", "Saving in the background (`save_in_background=True`):", "", *background_rows]
+    )
+    text += "\n"
     print(text)
     (args.workdir / "results.json").write_text(json.dumps(measured, indent=1))
     if args.output is not None:
