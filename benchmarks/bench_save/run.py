@@ -208,19 +208,21 @@ def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
     results.put(result)
 
 
-def _run_case(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+def _run_case(cfg: dict[str, Any], worker: Any = None) -> list[dict[str, Any]]:
+    """Run ``worker(cfg, rank, port, results)`` (default: this benchmark's) on fresh rank processes; their results."""
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     port = find_free_network_port()
-    processes = [context.Process(target=_worker, args=(cfg, r, port, results)) for r in range(cfg["ranks"])]
+    target = worker or _worker
+    processes = [context.Process(target=target, args=(cfg, r, port, results)) for r in range(cfg["ranks"])]
     for process in processes:
         process.start()
     for process in processes:
         process.join()
     if any(process.exitcode != 0 for process in processes):
-        raise RuntimeError(f"a rank failed in {cfg['strategy']}/{cfg['implementation']}")
+        raise RuntimeError(f"a rank failed in {cfg['strategy']}/{cfg.get('phase', 'save')}/{cfg['implementation']}")
     outcome = [results.get() for _ in processes]
     return sorted(outcome, key=lambda item: item["rank"])
 

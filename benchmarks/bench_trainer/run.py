@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 from benchmarks.bench_load.checkpoints import PRESETS, Block, Model
-from benchmarks.bench_save.run import _compare, _digest, _gb, _PeakAnon, _status_kb
+from benchmarks.bench_save.run import _compare, _digest, _gb, _PeakAnon, _run_case, _status_kb
 
 
 def _lightning_module(width: int, depth: int, fsdp2: bool) -> Any:
@@ -140,22 +139,6 @@ def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
     results.put(result)
 
 
-def _run_case(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-    context = multiprocessing.get_context("spawn")
-    results = context.SimpleQueue()
-    port = find_free_network_port()
-    processes = [context.Process(target=_worker, args=(cfg, r, port, results)) for r in range(cfg["ranks"])]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join()
-    if any(process.exitcode != 0 for process in processes):
-        raise RuntimeError(f"a rank failed in {cfg['strategy']}/{cfg['phase']}/{cfg['implementation']}")
-    return sorted((results.get() for _ in processes), key=lambda item: item["rank"])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_trainer", description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1gb", choices=sorted(PRESETS))
@@ -187,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                     "path": str(args.workdir / f"{strategy}-{name}.ckpt"),
                 }
                 print(f"bench_trainer: {strategy} {phase} {implementation} ...", flush=True)
-                runs[phase, implementation] = _run_case(cfg)
+                runs[phase, implementation] = _run_case(cfg, _worker)
         saved = {rank["rank"]: rank["digest"] for rank in runs["save", "lightning-fsdp"]}
         verdict = _compare(
             args.workdir / f"{strategy}-lightning-fsdp.ckpt", args.workdir / f"{strategy}-lightning.ckpt"

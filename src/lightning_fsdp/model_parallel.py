@@ -54,7 +54,7 @@ from lightning_fsdp.loading_calls import (
     load_request,
     raise_if_path_refused,
 )
-from lightning_fsdp.saving.background import BackgroundSaves
+from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -266,9 +266,7 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
 
     def wait_for_save(self) -> None:
         """Wait for the full checkpoint saved in the background, if any; see :class:`lightning_fsdp.FSDPStrategy`."""
-        if self._background_saves is not None:
-            with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
-                self._background_saves.wait()
+        wait_for_save(self)
 
     @override
     def teardown(self) -> None:

@@ -58,7 +58,7 @@ from lightning_fsdp.loading_calls import (
     load_request,
     raise_if_path_refused,
 )
-from lightning_fsdp.saving.background import BackgroundSaves
+from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
@@ -335,9 +335,7 @@ class FSDPStrategy(_CoreFSDPStrategy):
             CheckpointSaveError: On every rank, if that save failed: no file replaced the one at its path.
 
         """
-        if self._background_saves is not None:
-            with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
-                self._background_saves.wait()
+        wait_for_save(self)
 
     @override
     def teardown(self) -> None:

@@ -19,7 +19,6 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
@@ -34,20 +33,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_fsdp.devices import _check_cluster_environment, _check_distinct_devices
-from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import init_loading_options, load_options
 from lightning_fsdp.pytorch.loading import is_fitting, load_weights, resume
 from lightning_fsdp.pytorch.saving import (
-    _OPTIMIZERS_KEY,
     Deferred,
     fill_gathered,
-    gather_free_state,
     hooks_allow_stand_ins,
-    parameter_names,
+    save_without_gather,
 )
-from lightning_fsdp.saving import save_full_checkpoint
 from lightning_fsdp.strategy import _full_state_dict_type, wrap_on_cpu
 
 if TYPE_CHECKING:
@@ -198,18 +193,13 @@ class FSDPStrategy(_FSDPStrategy):
         rank 0 and saved as upstream saves them, with one warning.
 
         """
-        if self.model is not None and self._saves_without_gather() and storage_options is None:
-            state = gather_free_state(checkpoint, self.model)
-            if state is not None:
-                path = Path(self.broadcast(filepath))
-                if self.is_global_zero:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                names = parameter_names(self.model)
-                with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
-                    if save_full_checkpoint(
-                        self, path, state, None, self.model, False, _OPTIMIZERS_KEY, index_keys=names
-                    ):
-                        return
+        if (
+            self.model is not None
+            and self._saves_without_gather()
+            and storage_options is None
+            and save_without_gather(self, checkpoint, filepath, fsdp2=False)
+        ):
+            return
         fill_gathered(checkpoint, self._gathered_module_state, self._gathered_optimizer_state)
         with torch_internal_warnings_silenced():
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -18,7 +18,6 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -28,19 +27,15 @@ from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import init_loading_options, load_options
 from lightning_fsdp.pytorch.loading import is_fitting, load_weights, resume
 from lightning_fsdp.pytorch.saving import (
-    _OPTIMIZERS_KEY,
     Deferred,
     fill_gathered,
-    gather_free_state,
     hooks_allow_stand_ins,
-    parameter_names,
+    save_without_gather,
 )
-from lightning_fsdp.saving import save_full_checkpoint
 
 
 class ModelParallelStrategy(_ModelParallelStrategy):
@@ -102,18 +97,13 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         See :meth:`lightning_fsdp.pytorch.FSDPStrategy.save_checkpoint`.
 
         """
-        if self.model is not None and self._saves_without_gather() and storage_options is None:
-            state = gather_free_state(checkpoint, self.model)
-            if state is not None:
-                path = Path(self.broadcast(filepath))
-                if self.is_global_zero:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                names = parameter_names(self.model)
-                with load_errors_printed_once_per_node(self.global_rank, self.local_rank):
-                    if save_full_checkpoint(
-                        self, path, state, None, self.model, True, _OPTIMIZERS_KEY, names, modules_first=False
-                    ):
-                        return
+        if (
+            self.model is not None
+            and self._saves_without_gather()
+            and storage_options is None
+            and save_without_gather(self, checkpoint, filepath, fsdp2=True)
+        ):
+            return
         fill_gathered(checkpoint, super().lightning_module_state_dict, super().optimizer_state)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

@@ -12,13 +12,16 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 from lightning_fsdp.loading.shard_local import clean_name
+from lightning_fsdp.saving import save_full_checkpoint
 
 _MODEL_KEY = "state_dict"
 _OPTIMIZERS_KEY = "optimizer_states"
@@ -114,6 +117,26 @@ def fill_gathered(
             {**gather_optimizer(state.source), **state} if isinstance(state, Deferred) else state
             for state in checkpoint[_OPTIMIZERS_KEY]
         ]
+
+
+def save_without_gather(strategy: Any, checkpoint: dict[str, Any], filepath: Any, fsdp2: bool) -> bool:
+    """Write the Trainer's full ``checkpoint`` from the model and optimizers behind its stand-ins, without a gather.
+
+    The folder is created as the Trainer's checkpoint IO creates it. Returns ``False`` where the caller must gather
+    (a hook changed a stand-in, or the writer cannot serve the state: it warned why), having written nothing.
+
+    """
+    state = gather_free_state(checkpoint, strategy.model)
+    if state is None:
+        return False
+    path = Path(strategy.broadcast(filepath))
+    if strategy.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    names = parameter_names(strategy.model)
+    with load_errors_printed_once_per_node(strategy.global_rank, strategy.local_rank):
+        return save_full_checkpoint(
+            strategy, path, state, None, strategy.model, fsdp2, _OPTIMIZERS_KEY, names, modules_first=False
+        )
 
 
 def parameter_names(model: Module) -> list[str]:

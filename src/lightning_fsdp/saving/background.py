@@ -23,8 +23,11 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
+
+from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 
 _pending: weakref.WeakSet[BackgroundSaves] = weakref.WeakSet()
 
@@ -66,6 +69,18 @@ class BackgroundSaves:
             rest()
         except BaseException as error:
             self._error = error
+
+
+def wait_for_save(strategy: Any) -> None:
+    """Wait for the save in flight of a strategy made with ``save_in_background=True`` (its ``_background_saves``).
+
+    Its error is raised here, on every rank, and printed in full by one rank per node, as a load's.
+
+    """
+    saves = strategy._background_saves
+    if saves is not None:
+        with load_errors_printed_once_per_node(strategy.global_rank, strategy.local_rank):
+            saves.wait()
 
 
 @atexit.register
