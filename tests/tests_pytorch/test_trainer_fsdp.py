@@ -80,6 +80,19 @@ def trainer_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "model_parallel"])
+def test_save_in_background(strategy, tmp_path):
+    """`save_in_background=True`: `trainer.save_checkpoint` returns before the file is written; the next save waits
+    for it; the file is the gathered save's."""
+    path = tmp_path / "background.ckpt"
+    output = _run(
+        "save", f"--strategy={strategy}", f"--ckpt={path}", "--background", f"--gathered={tmp_path / 'g.ckpt'}"
+    )
+    assert "without a gather, in the background: each of the 2 ranks writes its own slices" in output
+    assert_identical(_load(path), _load(tmp_path / "g.ckpt"))
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
 def test_resume_full_checkpoint_shard_local_on_other_numbers_of_ranks(trainer_checkpoint, tmp_path):
     """`trainer.fit(ckpt_path=...)` restores the model and the optimizer state (keyed by index, as the Trainer saves
     it) exactly, on 2 ranks as saved and on 3, as Lightning's own restore does on 2."""
@@ -251,7 +264,9 @@ def test_arguments_are_upstreams():
 
     upstream = list(inspect.signature(UpstreamFSDPStrategy.__init__).parameters)
     ours = list(inspect.signature(FSDPStrategy.__init__).parameters)
-    assert [name for name in ours if name not in ("load_concurrency", "load_progress")] == upstream
+    assert [
+        name for name in ours if name not in ("load_concurrency", "load_progress", "save_in_background")
+    ] == upstream
     with pytest.raises(ValueError, match="load_concurrency"):
         FSDPStrategy(load_concurrency=0)
 
@@ -270,7 +285,9 @@ def test_model_parallel_arguments_are_upstreams():
 
     upstream = list(inspect.signature(UpstreamModelParallelStrategy.__init__).parameters)
     ours = list(inspect.signature(ModelParallelStrategy.__init__).parameters)
-    assert [name for name in ours if name not in ("load_concurrency", "load_progress")] == upstream
+    assert [
+        name for name in ours if name not in ("load_concurrency", "load_progress", "save_in_background")
+    ] == upstream
     assert isinstance(ModelParallelStrategy(), UpstreamModelParallelStrategy)
 
 

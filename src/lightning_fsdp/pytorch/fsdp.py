@@ -43,6 +43,7 @@ from lightning_fsdp.pytorch.saving import (
     hooks_allow_stand_ins,
     save_without_gather,
 )
+from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
 from lightning_fsdp.strategy import _full_state_dict_type, wrap_on_cpu
 
 if TYPE_CHECKING:
@@ -72,6 +73,9 @@ class FSDPStrategy(_FSDPStrategy):
             loaded with ``weights_only=False``) in host memory at the same time; see
             :class:`lightning_fsdp.FSDPStrategy`.
         load_progress: Show a progress bar while loading, once per node, when the output is a terminal.
+        save_in_background: Write full checkpoints in the background: ``trainer.save_checkpoint`` (and so
+            ``ModelCheckpoint``) returns once every rank holds a copy of its slices; the next save, a resume,
+            :meth:`wait_for_save` and the end of the run wait for it (see :mod:`lightning_fsdp.saving.background`).
 
     """
 
@@ -95,6 +99,7 @@ class FSDPStrategy(_FSDPStrategy):
         *,
         load_concurrency: int | Literal["auto"] = "auto",
         load_progress: bool = True,
+        save_in_background: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -116,6 +121,7 @@ class FSDPStrategy(_FSDPStrategy):
             **kwargs,
         )
         init_loading_options(self, load_concurrency, load_progress)
+        self._background_saves = BackgroundSaves() if save_in_background else None
 
     @override
     def setup_environment(self) -> None:
@@ -193,6 +199,7 @@ class FSDPStrategy(_FSDPStrategy):
         rank 0 and saved as upstream saves them, with one warning.
 
         """
+        self.wait_for_save()
         if (
             self.model is not None
             and self._saves_without_gather()
@@ -245,6 +252,7 @@ class FSDPStrategy(_FSDPStrategy):
         of the full optimizer state on every rank is what a shard-local load avoids.
 
         """
+        self.wait_for_save()
         assert self.model is not None
         assert self.lightning_module is not None
         return resume(
@@ -275,6 +283,18 @@ class FSDPStrategy(_FSDPStrategy):
         """
         assert self.model is not None, "`load_weights` needs the model set up: call it once the Trainer has started"
         return load_weights(self, path, self.model, strict, weights_only, "FSDPStrategy", sharded_module_key="model")
+
+    def wait_for_save(self) -> None:
+        """Wait for the full checkpoint saved in the background, if any; raise its error on every rank if it failed."""
+        wait_for_save(self)
+
+    @override
+    def teardown(self) -> None:
+        """Wait for a save in the background (and raise its error), then upstream's teardown."""
+        try:
+            self.wait_for_save()
+        finally:
+            super().teardown()
 
     def load_options(
         self,

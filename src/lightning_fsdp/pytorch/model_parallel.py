@@ -36,6 +36,7 @@ from lightning_fsdp.pytorch.saving import (
     hooks_allow_stand_ins,
     save_without_gather,
 )
+from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
 
 
 class ModelParallelStrategy(_ModelParallelStrategy):
@@ -50,6 +51,9 @@ class ModelParallelStrategy(_ModelParallelStrategy):
     Arguments:
         load_concurrency: See :class:`lightning_fsdp.FSDPStrategy`.
         load_progress: Show a progress bar while loading, once per node, when the output is a terminal.
+        save_in_background: Write full checkpoints in the background: ``trainer.save_checkpoint`` (and so
+            ``ModelCheckpoint``) returns once every rank holds a copy of its slices; the next save, a resume,
+            :meth:`wait_for_save` and the end of the run wait for it (see :mod:`lightning_fsdp.saving.background`).
 
     """
 
@@ -63,6 +67,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         *,
         load_concurrency: int | Literal["auto"] = "auto",
         load_progress: bool = True,
+        save_in_background: bool = False,
     ) -> None:
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -72,6 +77,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             timeout=timeout,
         )
         init_loading_options(self, load_concurrency, load_progress)
+        self._background_saves = BackgroundSaves() if save_in_background else None
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -97,6 +103,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         See :meth:`lightning_fsdp.pytorch.FSDPStrategy.save_checkpoint`.
 
         """
+        self.wait_for_save()
         if (
             self.model is not None
             and self._saves_without_gather()
@@ -117,6 +124,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         See :meth:`lightning_fsdp.pytorch.FSDPStrategy.load_checkpoint`.
 
         """
+        self.wait_for_save()
         assert self.model is not None
         assert self.lightning_module is not None
         return resume(
@@ -137,6 +145,18 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         return load_weights(
             self, path, self.model, strict, weights_only, "ModelParallelStrategy", sharded_module_key="state_dict"
         )
+
+    def wait_for_save(self) -> None:
+        """Wait for the full checkpoint saved in the background, if any; raise its error on every rank if it failed."""
+        wait_for_save(self)
+
+    @override
+    def teardown(self) -> None:
+        """Wait for a save in the background (and raise its error), then upstream's teardown."""
+        try:
+            self.wait_for_save()
+        finally:
+            super().teardown()
 
     def load_options(
         self,

@@ -135,7 +135,16 @@ def save_without_gather(strategy: Any, checkpoint: dict[str, Any], filepath: Any
     names = parameter_names(strategy.model)
     with load_errors_printed_once_per_node(strategy.global_rank, strategy.local_rank):
         return save_full_checkpoint(
-            strategy, path, state, None, strategy.model, fsdp2, _OPTIMIZERS_KEY, names, modules_first=False
+            strategy,
+            path,
+            state,
+            None,
+            strategy.model,
+            fsdp2,
+            _OPTIMIZERS_KEY,
+            names,
+            modules_first=False,
+            background=strategy._background_saves,
         )
 
 

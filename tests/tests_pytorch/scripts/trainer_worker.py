@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--flat-params", action="store_true", help="use_orig_params=False")
     parser.add_argument("--strategy", choices=["fsdp", "model_parallel"], default="fsdp")
     parser.add_argument("--gathered", help="also save the checkpoint with upstream's gather, to this path")
+    parser.add_argument("--background", action="store_true", help="save_in_background=True")
     args = parser.parse_args()
 
     model_class = Model
@@ -119,9 +120,10 @@ def main() -> None:
             data_parallel_size=args.devices * args.num_nodes,
             tensor_parallel_size=1,
             save_distributed_checkpoint=args.state_dict_type == "sharded",
+            save_in_background=args.background,
         )
     else:
-        kwargs = {"state_dict_type": args.state_dict_type}
+        kwargs = {"state_dict_type": args.state_dict_type, "save_in_background": args.background}
         if args.wrap:
             kwargs["auto_wrap_policy"] = {nn.Linear}
         if args.flat_params:
