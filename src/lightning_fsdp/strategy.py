@@ -214,7 +214,7 @@ class FSDPStrategy(_CoreFSDPStrategy):
         from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        return enable_wrap(wrapper_cls=FullyShardedDataParallel, **self._fsdp_wrapper_kwargs())
+        return enable_wrap(wrapper_cls=FullyShardedDataParallel, **cpu_wrapper_kwargs(self, self._fsdp_kwargs))
 
     @override
     def save_checkpoint(
@@ -393,36 +393,31 @@ class FSDPStrategy(_CoreFSDPStrategy):
 
     def _setup_module_on_cpu(self, module: Module) -> Module:
         """Upstream's ``setup_module`` with ``device_id=self.root_device``, for a CPU device (its index is ``None``)."""
-        return wrap_on_cpu(
-            module,
-            self._fsdp_kwargs,
-            self._fsdp_wrapper_kwargs(),
-            self.root_device,
-            self._activation_checkpointing_kwargs,
-        )
-
-    def _fsdp_wrapper_kwargs(self) -> dict[str, Any]:
-        return {
-            "cpu_offload": self.cpu_offload,
-            "mixed_precision": self.mixed_precision_config,
-            "sharding_strategy": self.sharding_strategy,
-            "device_id": self.root_device,
-            **self._fsdp_kwargs,
-        }
+        return wrap_on_cpu(self, module, self._fsdp_kwargs)
 
 
-def wrap_on_cpu(
-    module: Module,
-    fsdp_kwargs: dict[str, Any],
-    wrapper_kwargs: dict[str, Any],
-    root_device: torch.device,
-    activation_checkpointing_kwargs: dict[str, Any],
-) -> Module:
-    """Wrap ``module`` as upstream's strategies (Fabric's and the Trainer's) do, on a CPU device.
+def cpu_wrapper_kwargs(strategy: Any, fsdp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """FSDP's arguments for a strategy's model on a CPU device: upstream's, with the device itself as ``device_id``.
 
     Upstream passes ``device_id=root_device.index``, which is ``None`` for a CPU device, and FSDP then refuses to run
-    without an accelerator; ``wrapper_kwargs`` pass the device itself. ``fsdp_kwargs`` are the strategy's own, from
-    which an ``auto_wrap_policy`` is dropped (with upstream's warning) for a model that the user wrapped already.
+    without an accelerator. ``strategy`` is Fabric's or the Trainer's ``FSDPStrategy``; ``fsdp_kwargs`` its own FSDP
+    arguments (``_fsdp_kwargs`` and ``kwargs`` respectively).
+
+    """
+    return {
+        "cpu_offload": strategy.cpu_offload,
+        "mixed_precision": strategy.mixed_precision_config,
+        "sharding_strategy": strategy.sharding_strategy,
+        "device_id": strategy.root_device,
+        **fsdp_kwargs,
+    }
+
+
+def wrap_on_cpu(strategy: Any, module: Module, fsdp_kwargs: dict[str, Any]) -> Module:
+    """Wrap ``module`` as upstream's strategies (Fabric's and the Trainer's) do, on a CPU device.
+
+    FSDP gets :func:`cpu_wrapper_kwargs`. ``fsdp_kwargs`` are the strategy's own, from which an ``auto_wrap_policy``
+    is dropped (with upstream's warning) for a model that the user wrapped already.
 
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -436,10 +431,10 @@ def wrap_on_cpu(
                 "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be ignored."
             )
     else:
-        module = FullyShardedDataParallel(module=module, **wrapper_kwargs)
+        module = FullyShardedDataParallel(module=module, **cpu_wrapper_kwargs(strategy, fsdp_kwargs))
     # Through upstream's module, so that patching upstream's helpers (as its tests do) reaches this path too.
-    _upstream._move_torchmetrics_to_device(module, root_device)
-    _upstream._setup_activation_checkpointing(module, activation_checkpointing_kwargs)
+    _upstream._move_torchmetrics_to_device(module, strategy.root_device)
+    _upstream._setup_activation_checkpointing(module, strategy._activation_checkpointing_kwargs)
     return module
 
 

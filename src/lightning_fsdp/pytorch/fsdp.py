@@ -44,7 +44,7 @@ from lightning_fsdp.pytorch.saving import (
     save_without_gather,
 )
 from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
-from lightning_fsdp.strategy import _full_state_dict_type, wrap_on_cpu
+from lightning_fsdp.strategy import _full_state_dict_type, cpu_wrapper_kwargs, wrap_on_cpu
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -149,9 +149,7 @@ class FSDPStrategy(_FSDPStrategy):
         """Upstream's wrapping; on CPU with ``device_id=self.root_device`` (upstream passes its index, ``None``)."""
         if not self._on_cpu():
             return super()._setup_model(model)
-        return wrap_on_cpu(
-            model, self.kwargs, self._wrapper_kwargs(), self.root_device, self._activation_checkpointing_kwargs
-        )
+        return wrap_on_cpu(self, model, self.kwargs)
 
     @contextmanager
     @override
@@ -163,7 +161,7 @@ class FSDPStrategy(_FSDPStrategy):
         from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        with enable_wrap(wrapper_cls=FullyShardedDataParallel, **self._wrapper_kwargs()):
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, **cpu_wrapper_kwargs(self, self.kwargs)):
             yield
 
     @override
@@ -308,12 +306,3 @@ class FSDPStrategy(_FSDPStrategy):
 
     def _on_cpu(self) -> bool:
         return self.parallel_devices is not None and self.root_device.type == "cpu"
-
-    def _wrapper_kwargs(self) -> dict[str, Any]:
-        return {
-            "cpu_offload": self.cpu_offload,
-            "mixed_precision": self.mixed_precision_config,
-            "sharding_strategy": self.sharding_strategy,
-            "device_id": self.root_device,
-            **self.kwargs,
-        }
