@@ -443,6 +443,9 @@ def _entry(fn: Callable[..., Any], args: tuple, env: dict[str, str], init_method
         dist.init_process_group(
             "gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
         )
+        # Every rank is past the group's rendezvous before any of them can die: a rank killed while another still
+        # reads the rendezvous keys from its store would fail `init_process_group`, not the code under test.
+        dist.barrier()
         value = fn(*args)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
