@@ -6,8 +6,10 @@ device, shards it, and loads each file with ``fabric.load(path, {"model": model}
 of its own slices, by positioned reads at offsets that the file's own structure proves; then the Fabric checkpoint
 once more as a trusted file (``weights_only=False``), which is read whole, in node turns, one rank at a time. Before
 each load the model is filled with NaN; each rank samples its own memory while loading; the table shows the peak
-above the model's base, and a checksum shows the weights are the file's. Then it trains a step, saves a sharded
-checkpoint and reloads.
+above the model's base. After each load every parameter is compared with the file's tensor, bit for bit, through
+FSDP's own all-gather. Then it trains a step, saves a full checkpoint with the optimizer's state without a gather
+(every rank writes its own slices into the one file), and reloads it into the model and optimizer filled with NaN:
+each rank's slices must come back bit for bit.
 
 Run it with ``make demo`` (or ``python examples/demo.py --devices 4 --width 1024 --depth 8``).
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_fsdp import FSDPStrategy
 
@@ -97,8 +100,8 @@ def _torch_load_on_every_rank(fabric: Fabric, path: Path) -> tuple[float, list]:
     return seconds, every_rank
 
 
-def _load_and_measure(fabric: Fabric, path: Path, model: nn.Module, trusted: bool) -> tuple[float, list, float]:
-    with torch.no_grad():  # each load starts from a model that holds no weights, so its checksum proves the load
+def _load_and_measure(fabric: Fabric, path: Path, model: nn.Module, trusted: bool) -> tuple[float, list]:
+    with torch.no_grad():  # each load starts from a model that holds no weights, so the check below proves the load
         for parameter in model.parameters():
             parameter.fill_(float("nan"))
     fabric.barrier()
@@ -106,11 +109,40 @@ def _load_and_measure(fabric: Fabric, path: Path, model: nn.Module, trusted: boo
         start = time.perf_counter()
         fabric.load(path, {"model": model}, weights_only=not trusted)
         seconds = time.perf_counter() - start
-    local_sum = sum(p.detach().double().sum() for p in model.parameters())
-    checksum = fabric.all_reduce(torch.as_tensor(local_sum), reduce_op="sum").item()
     every_rank: list = [None] * fabric.world_size
     torch.distributed.all_gather_object(every_rank, sampler.samples)
-    return seconds, every_rank, checksum
+    return seconds, every_rank
+
+
+def _assert_model_is_file(fabric: Fabric, model: nn.Module, path: Path) -> None:
+    """Every parameter of the model equals the file's tensor bit for bit (dtype and every element).
+
+    The full parameters come from FSDP's own all-gather of the shards (``summon_full_params``), not from this package,
+    so a slice written to the wrong place, or one not written, fails the check. It runs after the memory was measured.
+
+    """
+    expected = torch.load(path, mmap=True, weights_only=True)
+    with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+        for wrapped_name, parameter in model.module.named_parameters():
+            name = wrapped_name.replace("_fsdp_wrapped_module.", "")  # the names without FSDP's inner wrappers
+            assert parameter.dtype == expected[name].dtype, name
+            assert torch.equal(parameter, expected[name]), f"{name} differs from {path}"
+    fabric.barrier()
+
+
+def _local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Copies of this rank's slices of the parameters and of the optimizer's state."""
+    tensors = [parameter.detach().clone() for parameter in model.parameters()]
+    for state in optimizer.state_dict()["state"].values():
+        tensors.extend(value.detach().clone() for _, value in sorted(state.items()))
+    return tensors
+
+
+def _fill_nan(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values())]:
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
 
 
 def _mib(value: float) -> str:
@@ -143,7 +175,8 @@ def main() -> None:
     workdir = Path(args.workdir)
     zip_path, legacy_path = workdir / "lit-llama.pth", workdir / "lit-llama-legacy.pth"
     legacy_fabric_path = workdir / "fabric-legacy.ckpt"
-    strategy = FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=1)
+    # full checkpoints: `fabric.save` writes one file, every rank its own slices of it (no gather on rank 0)
+    strategy = FSDPStrategy(auto_wrap_policy={Block}, load_concurrency=1, state_dict_type="full")
     fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
     fabric.launch()
 
@@ -154,11 +187,8 @@ def main() -> None:
         torch.save(state_dict, zip_path)
         torch.save(state_dict, legacy_path, _use_new_zipfile_serialization=False)
         torch.save({"model": state_dict}, legacy_fabric_path, _use_new_zipfile_serialization=False)
-        expected_checksum = sum(t.double().sum() for t in state_dict.values()).item()
         del state_dict
-    else:
-        expected_checksum = 0.0
-    expected_checksum = fabric.broadcast(expected_checksum)
+    fabric.barrier()
     size_mib = zip_path.stat().st_size / 2**20
     fabric.print(f"Checkpoint: a raw module state dict of {size_mib:.0f} MiB ({args.devices} CPU ranks, gloo)")
 
@@ -175,8 +205,8 @@ def main() -> None:
         ("Fabric legacy, trusted (weights_only=False): read whole, turns k=1", legacy_fabric_path, True),
     )
     for label, path, trusted in files:
-        seconds, every_rank, checksum = _load_and_measure(fabric, path, model, trusted)
-        assert abs(checksum - expected_checksum) <= 1e-6 * abs(expected_checksum), (checksum, expected_checksum)
+        seconds, every_rank = _load_and_measure(fabric, path, model, trusted)
+        _assert_model_is_file(fabric, model, zip_path)
         rows.append((label, seconds, *_peaks(every_rank)))
 
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -184,10 +214,27 @@ def main() -> None:
     loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     fabric.backward(loss)
     optimizer.step()
-    sharded_path = workdir / "sharded"
-    fabric.save(sharded_path, {"model": model, "optimizer": optimizer, "step": 1})
+
+    # A full checkpoint with the optimizer, written without a gather; then reloaded into the model and optimizer
+    # filled with NaN: each rank's slices must come back bit for bit.
+    full_path = workdir / "full.ckpt"
+    trained = _local_state(model, optimizer)
+    fabric.barrier()
+    with _PeakSampler() as sampler:
+        start = time.perf_counter()
+        fabric.save(full_path, {"model": model, "optimizer": optimizer, "step": 1})
+        save_seconds = time.perf_counter() - start
+    save_peaks: list = [None] * fabric.world_size
+    torch.distributed.all_gather_object(save_peaks, sampler.samples)
+    _fill_nan(model, optimizer)
     state = {"model": model, "optimizer": optimizer, "step": 0}
-    fabric.load(sharded_path, state)
+    fabric.load(full_path, state)
+    reloaded = _local_state(model, optimizer)
+    assert len(reloaded) == len(trained), (len(reloaded), len(trained))
+    for before, after in zip(trained, reloaded, strict=True):
+        assert before.dtype == after.dtype, "the reloaded state differs in dtype"
+        assert torch.equal(before, after), "the reloaded state differs"
+    fabric.barrier()
 
     if fabric.global_rank == 0:
         print("\nPeak memory while loading, above the base before the load (PSS: shared file pages count once).")
@@ -199,11 +246,22 @@ def main() -> None:
             cells = " | ".join(f"{_mib(anon)} + {_mib(file)}" for anon, file in per_rank)
             share = max(total, 0) / size_mib
             print(f"| {label} | {seconds:.2f} s | {cells} | {_mib(total)} MiB ({share:.2f}x the file) |")
-        print("\nEach load started from a model filled with NaN, and its checksum matched the file's.")
+        print("\nEach load started from a model filled with NaN; after it, every parameter equalled the file's tensor")
+        print("bit for bit (FSDP's own all-gather of the shards, compared with `torch.equal`).")
         print("A rank's memory counts what the process holds (PSS). The page cache that the kernel keeps for the file")
         print("is not the process's, so a load by positioned reads shows about 0x the file: only the rank's own")
         print("slices pass through its memory, and the model's shards were allocated before the load.")
-        print(f"Trained one step (loss {loss.item():.4f}), saved and reloaded {sharded_path} (step={state['step']}).")
+        save_anon = [max(sample[1] for sample in samples) for samples in save_peaks]
+        full_mib = full_path.stat().st_size / 2**20
+        print(
+            f"\nTrained one step (loss {loss.item():.4f}) and saved {full_path} ({full_mib:.0f} MiB: model, AdamW"
+            f" state, step) in {save_seconds:.2f} s without a gather: every rank wrote its own slices; peak anonymous"
+            f" memory above base per rank {' / '.join(_mib(value) for value in save_anon)} MiB."
+        )
+        print(
+            f"Reloaded it into the model and optimizer filled with NaN (step={state['step']}): every rank's slices"
+            " of the parameters and of the AdamW state equal the saved ones bit for bit."
+        )
         written = sum(file.stat().st_size for file in workdir.rglob("*") if file.is_file()) / 2**20
         print(f"The demo wrote {written:.0f} MiB to {workdir.resolve()}; `make clean` removes it.")
 
