@@ -15,6 +15,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py pyproject.toml
+	@mkdir -p $(VENV) && date +%s > $(VENV)/.setup-started
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	@if [ -n "$(TORCH_CPU_INDEX)" ] && $(PY) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=15)" "$(TORCH_CPU_INDEX)" 2>/dev/null; then \
@@ -26,6 +27,7 @@ $(VENV)/.installed: setup.py pyproject.toml
 	fi
 	$(PY) -W ignore -c "import torch; print('make setup: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"
 	$(PY) -m pip install --quiet -e ".[test,docs]"
+	@echo "make setup: done in $$(( $$(date +%s) - $$(cat $(VENV)/.setup-started) )) s"
 	touch $@
 
 demo: setup

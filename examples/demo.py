@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--workdir", default="demo_output")
     args = parser.parse_args()
+    started = time.perf_counter()
 
     workdir = Path(args.workdir)
     zip_path, legacy_path = workdir / "lit-llama.pth", workdir / "lit-llama-legacy.pth"
@@ -264,6 +265,7 @@ def main() -> None:
         )
         written = sum(file.stat().st_size for file in workdir.rglob("*") if file.is_file()) / 2**20
         print(f"The demo wrote {written:.0f} MiB to {workdir.resolve()}; `make clean` removes it.")
+        print(f"It ran for {time.perf_counter() - started:.0f} s (launch, files, loads, checks, training, save)")
 
 
 if __name__ == "__main__":

@@ -27,3 +27,4 @@ def test_demo_checks_every_load_and_the_full_save_bit_for_bit(tmp_path):
     assert "without a gather: every rank wrote its own slices" in out
     assert "equal the saved ones bit for bit" in out
     assert (tmp_path / "out" / "full.ckpt").is_file()
+    assert "It ran for " in out
