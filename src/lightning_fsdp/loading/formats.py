@@ -52,6 +52,9 @@ _HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 #: The ``__metadata__`` entry of a safetensors file that torch's ``HuggingFaceStorageWriter`` writes: a JSON map of
 #: each tensor's name to the offsets of the slice the file holds (``{"saved_offsets": [...]}``).
 _TORCH_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+#: The names of files that hold a checkpoint, for the hint of a directory that holds no checkpoint (only that hint: a
+#: format is told from the content, never from the name).
+_CHECKPOINT_FILE_SUFFIXES = (".ckpt", ".pth", ".pt", ".bin", ".safetensors")
 #: The entries that hold the module state in a checkpoint: ``fabric.save(path, {"model": model})`` and a Lightning
 #: ``Trainer`` checkpoint (``.ckpt``). ``load_raw`` takes a checkpoint whose only module state is one of them.
 _MODULE_ENTRIES = ("model", "state_dict")
@@ -140,9 +143,14 @@ def _detect_directory(path: Path) -> DetectedCheckpoint:
         return DetectedCheckpoint(path, CheckpointFormat.SAFETENSORS_SHARDS, shards)
     contents = sorted(p.name for p in path.iterdir())
     shown = quoted_names(contents)
-    files = [name for name in contents if (path / name).is_file() and not name.startswith(".")]
-    # one file in the folder (a `full.ckpt` that `fabric.save` wrote there): the path was probably meant to name it
-    hint = f" Did you mean {str(path / files[0])!r}?" if len(files) == 1 else ""
+    # one checkpoint file in the folder (a `full.ckpt` that `fabric.save` wrote there, beside a `hparams.yaml`): the
+    # path was probably meant to name it
+    candidates = [
+        name
+        for name in contents
+        if name.lower().endswith(_CHECKPOINT_FILE_SUFFIXES) and not name.startswith(".") and (path / name).is_file()
+    ]
+    hint = f" Did you mean {str(path / candidates[0])!r}?" if len(candidates) == 1 else ""
     raise CheckpointLoadError(
         f"The directory {str(path)!r} holds no checkpoint. Expected a sharded Fabric checkpoint (`meta.pt` and"
         f" `.metadata`), a Hugging Face index (`*.index.json`), or one of {', '.join(_HF_SINGLE_FILES)}."

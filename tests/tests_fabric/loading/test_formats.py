@@ -204,6 +204,26 @@ def test_a_directory_holding_one_file_suggests_the_file(tmp_path):
     assert "Did you mean" not in str(two.value)  # several candidates: no guess
 
 
+def test_a_directory_holding_one_checkpoint_file_among_others_suggests_it(tmp_path):
+    """A run's folder, `fabric.save`'s `full.ckpt` beside a logger's `hparams.yaml`: the error names the file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"model": {"w": torch.ones(2)}}, run / "full.ckpt")
+    (run / "hparams.yaml").write_text("lr: 0.1\n")
+    (run / "events.out.tfevents").write_bytes(b"\0" * 8)
+    (run / "step-1.ckpt").mkdir()  # a directory named like a checkpoint file is no candidate
+    with pytest.raises(CheckpointLoadError, match="holds no checkpoint") as error:
+        detect_checkpoint(run)
+    assert str(error.value).endswith(f"Did you mean {str(run / 'full.ckpt')!r}?")
+    # one file, but nothing that looks like a checkpoint: no guess
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("hi")
+    with pytest.raises(CheckpointLoadError, match="holds no checkpoint") as error:
+        detect_checkpoint(notes)
+    assert "Did you mean" not in str(error.value)
+
+
 def test_a_text_file_shows_its_first_bytes_as_text_too(tmp_path):
     """An HTML error page saved in place of the weights: the error shows what it is, not only hexadecimal bytes."""
     (tmp_path / "model.bin").write_text("<html><body>403 Forbidden</body></html>")
