@@ -37,7 +37,12 @@ from lightning_fsdp.loading.sources import (
     map_tensors,
     walk_tensors,
 )
-from lightning_fsdp.loading.torch_pickle import TorchFileStructure, read_zip_structure, unpickling_errors
+from lightning_fsdp.loading.torch_pickle import (
+    TorchFileStructure,
+    read_zip_structure,
+    unpickling_errors,
+    zip_truncation,
+)
 
 #: The file that marks a sharded checkpoint written by ``fabric.save`` (the metadata of the user's state).
 FABRIC_METADATA_FILENAME = "meta.pt"
@@ -287,9 +292,16 @@ def load_torch_file(path: Path, weights_only: bool) -> Any:
 
     """
     require_regular_file(path)
-    with unpickling_errors(path, weights_only), ExitStack() as stack:
-        source = stack.enter_context(open_stream(path)) if isinstance(path, StoragePath) else path
-        return torch.load(source, map_location="cpu", mmap=False, weights_only=weights_only)
+    try:
+        with unpickling_errors(path, weights_only), ExitStack() as stack:
+            source = stack.enter_context(open_stream(path)) if isinstance(path, StoragePath) else path
+            return torch.load(source, map_location="cpu", mmap=False, weights_only=weights_only)
+    except CheckpointLoadError:
+        # torch's reader says only `OSError: [Errno 22] Invalid argument` for a truncated file
+        truncated = zip_truncation(path) if _sniff_file(path) is CheckpointFormat.TORCH_ZIP else None
+        if truncated is not None:
+            raise truncated from None
+        raise
 
 
 @dataclass
