@@ -110,6 +110,19 @@ def test_inspect_and_convert_safetensors_slices(tmp_path):
     assert "is a sharded checkpoint already: there is nothing to do" in result.stderr
 
 
+def test_convert_summary_counts_in_words(tmp_path):
+    """One tensor in one chunk is said so: not "1 tensors" in "1 chunks"."""
+    torch.save({"model": {"w": torch.ones(4, 4)}, "step": 3}, tmp_path / "one.pt")
+    output = str(tmp_path / "out")
+    result = _cli("convert", str(tmp_path / "one.pt"), output, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"wrote {output}: 1 tensor, 64 B in 1 chunk under 'model'; load it with fabric.load({output!r}, {{'model':"
+        " model})",
+        "kept metadata: step",
+    ]
+
+
 def test_bad_input_is_a_message_and_exit_code_not_a_traceback(tmp_path, state_dict):
     for case, (path, _) in write_bad_inputs(tmp_path, state_dict).items():
         commands = [["convert", str(path), str(tmp_path / f"out-{case}")]]
