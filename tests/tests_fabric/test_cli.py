@@ -356,6 +356,30 @@ def test_inspect_imports_neither_lightning_nor_torch_distributed_modules(tmp_pat
     assert [name for name in imported if name in heavy or name.startswith(tuple(f"{h}." for h in heavy))] == []
 
 
+_SLOW_START_THEN_INSPECT = """
+import sys, time
+
+time.sleep(1.5)  # a slow start-up, as the interpreter's and torch's imports are on a busy machine
+from lightning_fsdp.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@RunIf(linux_only=True)
+def test_inspect_time_is_the_whole_command(tmp_path, state_dict):
+    """A run whose start-up alone took 1.5 s says at least that: `time:` once said only the reading (1.17 s of 3 s)."""
+    path = write_checkpoint(state_dict, tmp_path, "torch-zip")
+    command = [sys.executable, "-c", _SLOW_START_THEN_INSPECT, "inspect", str(path)]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    timing = re.match(r"time: +([0-9.]+) s", result.stdout.splitlines()[-1])
+    assert timing, result.stdout
+    assert 1.5 <= float(timing.group(1)) <= elapsed + 0.05, (timing.group(0), elapsed)
+
+
 def test_version_prints_the_package_version():
     from lightning_fsdp.__about__ import __version__
 
