@@ -213,8 +213,9 @@ def _convert(args: argparse.Namespace) -> int:
             on_chunk=bar.update,
         )
     print(
-        f"wrote {result.output}: {result.tensors} tensors, {_size(result.tensor_bytes)} in {result.chunks} chunks"
-        f" under {args.key!r}; load it with fabric.load({result.output!r}, {{{args.key!r}: model}})"
+        f"wrote {result.output}: {_counted(result.tensors, 'tensor')}, {_size(result.tensor_bytes)} in"
+        f" {_counted(result.chunks, 'chunk')} under {args.key!r}; load it with"
+        f" fabric.load({result.output!r}, {{{args.key!r}: model}})"
     )
     if result.metadata_keys:
         print(f"kept metadata: {', '.join(map(printable, result.metadata_keys))}")
@@ -238,15 +239,24 @@ def _consolidate(args: argparse.Namespace, tensor_bytes: int, show: bool) -> int
         result = consolidate_sharded_checkpoint(
             args.path, args.output, weights_only=not args.unsafe_unpickle, on_bytes=bar.update
         )
-    others = f", and {len(result.objects)} other entries" if result.objects else ""
+    others = f", and {_counted(len(result.objects), 'other entry', 'other entries')}" if result.objects else ""
     print(
-        f"wrote {result.output}: {result.tensors} tensors, {_size(result.tensor_bytes)} (the largest"
+        f"wrote {result.output}: {_counted(result.tensors, 'tensor')}, {_size(result.tensor_bytes)} (the largest"
         f" {_size(result.largest_tensor_bytes)}){others}; load it with"
         f" torch.load({result.output!r}) or fabric.load({result.output!r}, state)"
     )
     if result.metadata_keys:
-        print(f"and, from the checkpoint's meta.pt, the entries {', '.join(map(printable, result.metadata_keys))}")
+        keys = result.metadata_keys
+        print(
+            f"it also holds {_counted(len(keys), 'entry', 'entries')} from the checkpoint's meta.pt:"
+            f" {', '.join(map(printable, keys))}"
+        )
     return 0
+
+
+def _counted(count: int, singular: str, plural: str | None = None) -> str:
+    """``count`` and the noun, singular for one (``1 tensor``, ``2 tensors``, ``1 other entry``)."""
+    return f"{count} {singular if count == 1 else plural or singular + 's'}"
 
 
 def _seconds_since_process_start() -> float | None:

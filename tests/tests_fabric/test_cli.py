@@ -110,6 +110,19 @@ def test_inspect_and_convert_safetensors_slices(tmp_path):
     assert "is a sharded checkpoint already: there is nothing to do" in result.stderr
 
 
+def test_convert_summary_counts_in_words(tmp_path):
+    """One tensor in one chunk is said so: not "1 tensors" in "1 chunks"."""
+    torch.save({"model": {"w": torch.ones(4, 4)}, "step": 3}, tmp_path / "one.pt")
+    output = str(tmp_path / "out")
+    result = _cli("convert", str(tmp_path / "one.pt"), output, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"wrote {output}: 1 tensor, 64 B in 1 chunk under 'model'; load it with fabric.load({output!r}, {{'model':"
+        " model})",
+        "kept metadata: step",
+    ]
+
+
 def test_bad_input_is_a_message_and_exit_code_not_a_traceback(tmp_path, state_dict):
     for case, (path, _) in write_bad_inputs(tmp_path, state_dict).items():
         commands = [["convert", str(path), str(tmp_path / f"out-{case}")]]
@@ -341,6 +354,30 @@ def test_inspect_imports_neither_lightning_nor_torch_distributed_modules(tmp_pat
     assert "lightning_fsdp.loading.formats" in imported  # it did read the file
     heavy = ("lightning", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.tensor")
     assert [name for name in imported if name in heavy or name.startswith(tuple(f"{h}." for h in heavy))] == []
+
+
+_SLOW_START_THEN_INSPECT = """
+import sys, time
+
+time.sleep(1.5)  # a slow start-up, as the interpreter's and torch's imports are on a busy machine
+from lightning_fsdp.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@RunIf(linux_only=True)
+def test_inspect_time_is_the_whole_command(tmp_path, state_dict):
+    """A run whose start-up alone took 1.5 s says at least that: `time:` once said only the reading (1.17 s of 3 s)."""
+    path = write_checkpoint(state_dict, tmp_path, "torch-zip")
+    command = [sys.executable, "-c", _SLOW_START_THEN_INSPECT, "inspect", str(path)]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 0, result.stderr
+    timing = re.match(r"time: +([0-9.]+) s", result.stdout.splitlines()[-1])
+    assert timing, result.stdout
+    assert 1.5 <= float(timing.group(1)) <= elapsed + 0.05, (timing.group(0), elapsed)
 
 
 def test_version_prints_the_package_version():

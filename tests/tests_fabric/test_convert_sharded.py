@@ -134,6 +134,31 @@ def test_truncated_shard_is_one_error_and_no_file(tmp_path: Path) -> None:
     assert os.listdir(output.parent) == []
 
 
+@pytest.mark.filterwarnings("ignore:.*assuming the intent is to save in a single process")
+def test_consolidation_summary_counts_in_words(tmp_path: Path) -> None:
+    """The summary counts tensors, other entries and `meta.pt` entries, never "0 other entries" or "1 tensors"."""
+    import torch.distributed.checkpoint as dcp
+
+    with_meta = _sharded_checkpoint(tmp_path, {"w": torch.ones(4, 4)}, chunk_bytes=4096)  # `meta.pt` holds "step"
+    output = str(tmp_path / "with-meta.ckpt")
+    result = _cli("convert", str(with_meta), output)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"wrote {output}: 1 tensor, 64 B (the largest 64 B); load it with torch.load({output!r}) or"
+        f" fabric.load({output!r}, state)",
+        "it also holds 1 entry from the checkpoint's meta.pt: step",
+    ]
+    state = {"model": {"w": torch.ones(4, 4), "b": torch.ones(4)}, "lr": 0.1}  # `lr`: an entry that is no tensor
+    dcp.save(state, checkpoint_id=tmp_path / "objects", no_dist=True)
+    output = str(tmp_path / "objects.ckpt")
+    result = _cli("convert", str(tmp_path / "objects"), output)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"wrote {output}: 2 tensors, 80 B (the largest 64 B), and 1 other entry; load it with torch.load({output!r})"
+        f" or fabric.load({output!r}, state)",
+    ]
+
+
 def test_corrupt_entry_found_mid_write_leaves_no_file(tmp_path: Path) -> None:
     """The shards pass every check but one entry's bytes are not a tensor: found once the file is half written."""
     from lightning_fsdp.loading.sharded import read_dcp_metadata

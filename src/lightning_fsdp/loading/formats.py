@@ -8,6 +8,7 @@ hold any object and is read whole by ``torch.load``.
 Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
+import codecs
 import itertools
 import json
 from collections.abc import Mapping
@@ -36,7 +37,12 @@ from lightning_fsdp.loading.sources import (
     map_tensors,
     walk_tensors,
 )
-from lightning_fsdp.loading.torch_pickle import TorchFileStructure, read_zip_structure, unpickling_errors
+from lightning_fsdp.loading.torch_pickle import (
+    TorchFileStructure,
+    read_zip_structure,
+    unpickling_errors,
+    zip_truncation,
+)
 
 #: The file that marks a sharded checkpoint written by ``fabric.save`` (the metadata of the user's state).
 FABRIC_METADATA_FILENAME = "meta.pt"
@@ -52,6 +58,11 @@ _HF_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 #: The ``__metadata__`` entry of a safetensors file that torch's ``HuggingFaceStorageWriter`` writes: a JSON map of
 #: each tensor's name to the offsets of the slice the file holds (``{"saved_offsets": [...]}``).
 _TORCH_SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
+#: The names of files that hold a checkpoint, for the hint of a directory that holds no checkpoint (only that hint: a
+#: format is told from the content, never from the name).
+_CHECKPOINT_FILE_SUFFIXES = (".ckpt", ".pth", ".pt", ".bin", ".safetensors")
+#: The characters of its start that the error for a file of no checkpoint format shows, where they are text.
+_SHOWN_TEXT_CHARS = 40
 #: The entries that hold the module state in a checkpoint: ``fabric.save(path, {"model": model})`` and a Lightning
 #: ``Trainer`` checkpoint (``.ckpt``). ``load_raw`` takes a checkpoint whose only module state is one of them.
 _MODULE_ENTRIES = ("model", "state_dict")
@@ -140,9 +151,14 @@ def _detect_directory(path: Path) -> DetectedCheckpoint:
         return DetectedCheckpoint(path, CheckpointFormat.SAFETENSORS_SHARDS, shards)
     contents = sorted(p.name for p in path.iterdir())
     shown = quoted_names(contents)
-    files = [name for name in contents if (path / name).is_file() and not name.startswith(".")]
-    # one file in the folder (a `full.ckpt` that `fabric.save` wrote there): the path was probably meant to name it
-    hint = f" Did you mean {str(path / files[0])!r}?" if len(files) == 1 else ""
+    # one checkpoint file in the folder (a `full.ckpt` that `fabric.save` wrote there, beside a `hparams.yaml`): the
+    # path was probably meant to name it
+    candidates = [
+        name
+        for name in contents
+        if name.lower().endswith(_CHECKPOINT_FILE_SUFFIXES) and not name.startswith(".") and (path / name).is_file()
+    ]
+    hint = f" Did you mean {str(path / candidates[0])!r}?" if len(candidates) == 1 else ""
     raise CheckpointLoadError(
         f"The directory {str(path)!r} holds no checkpoint. Expected a sharded Fabric checkpoint (`meta.pt` and"
         f" `.metadata`), a Hugging Face index (`*.index.json`), or one of {', '.join(_HF_SINGLE_FILES)}."
@@ -155,7 +171,8 @@ def _sniff_file(path: Path) -> CheckpointFormat:
     if size == 0:
         raise CheckpointLoadError(f"The checkpoint file {str(path)!r} is empty (0 bytes). Was the save interrupted?")
     with open_stream(path) as file:
-        head = file.read(16)
+        start = file.read(4 * _SHOWN_TEXT_CHARS)  # up to 4 bytes a character: the text the error may show
+    head = start[:16]
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         return CheckpointFormat.TORCH_ZIP
     # Before the pickle check: a safetensors header size can start with the byte 0x80 (a header of 128 bytes).
@@ -165,14 +182,40 @@ def _sniff_file(path: Path) -> CheckpointFormat:
         return CheckpointFormat.TORCH_LEGACY
     if head.lstrip()[:1] == b"{":
         return CheckpointFormat.HF_INDEX
-    first = head[:8]
-    # printable ASCII (a text file, an HTML error page saved as the checkpoint) is shown as text as well
-    text = first.decode("ascii") if first and all(32 <= byte < 127 for byte in first) else ""
+    # a text file (a Git LFS pointer, an HTML error page saved as the checkpoint) is shown as text as well
+    text = _as_text(start)
     raise CheckpointLoadError(
         f"The file {str(path)!r} is not a checkpoint format that the loader reads: neither a `torch.save` file (zip or"
-        f" legacy), a safetensors file, nor a Hugging Face `*.index.json`. Its first bytes are {first.hex(' ')}"
-        + (f" (as text: {text!r})." if text else ".")
+        f" legacy), a safetensors file, nor a Hugging Face `*.index.json`. Its first bytes are {start[:8].hex(' ')}"
+        + (f" (as text: {text!r}).{_text_hint(text)}" if text else ".")
     )
+
+
+def _as_text(data: bytes) -> str:
+    """The first :data:`_SHOWN_TEXT_CHARS` characters of ``data`` as UTF-8, or ``""`` if it is not printable text.
+
+    Line breaks and tabs count as text (``repr`` shows them escaped); a character cut at the end of ``data`` is left
+    out. Any other control or format character means that the bytes are not text.
+
+    """
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(data)  # not final: a cut last character is held back
+    except UnicodeDecodeError:
+        return ""
+    text = text[:_SHOWN_TEXT_CHARS]
+    return text if text.strip() and all(char.isprintable() or char in "\t\n\r" for char in text) else ""
+
+
+def _text_hint(text: str) -> str:
+    """What a text file found in place of a checkpoint is, and the fix, for the two that users meet."""
+    if text.startswith("version https://git-lfs.github.com/spec/"):
+        return (
+            " It is a Git LFS pointer, not the file it stands for: fetch the file with `git lfs pull` in its"
+            " repository."
+        )
+    if text.lstrip().lower().startswith(("<!doctype html", "<html")):
+        return " It is a web page (a download that returned an error page?): download the checkpoint again."
+    return ""
 
 
 def read_index(path: CheckpointPath) -> dict[str, str]:
@@ -249,9 +292,16 @@ def load_torch_file(path: Path, weights_only: bool) -> Any:
 
     """
     require_regular_file(path)
-    with unpickling_errors(path, weights_only), ExitStack() as stack:
-        source = stack.enter_context(open_stream(path)) if isinstance(path, StoragePath) else path
-        return torch.load(source, map_location="cpu", mmap=False, weights_only=weights_only)
+    try:
+        with unpickling_errors(path, weights_only), ExitStack() as stack:
+            source = stack.enter_context(open_stream(path)) if isinstance(path, StoragePath) else path
+            return torch.load(source, map_location="cpu", mmap=False, weights_only=weights_only)
+    except CheckpointLoadError:
+        # torch's reader says only `OSError: [Errno 22] Invalid argument` for a truncated file
+        truncated = zip_truncation(path) if _sniff_file(path) is CheckpointFormat.TORCH_ZIP else None
+        if truncated is not None:
+            raise truncated from None
+        raise
 
 
 @dataclass

@@ -19,9 +19,27 @@ from typing import Any
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError, first_line, quoted_names
-from lightning_fsdp.loading.files import close_file, open_file, require_regular_file
+from lightning_fsdp.loading.files import (
+    CheckpointPath,
+    OpenFile,
+    close_file,
+    file_stream,
+    open_file,
+    read_exactly,
+    require_regular_file,
+)
 from lightning_fsdp.loading.sources import TensorLocation, TensorSpec
-from lightning_fsdp.loading.zip_records import read_record, read_zip_records, verify_record_crc
+from lightning_fsdp.loading.zip_records import (
+    CENTRAL_HEADER_SIZE,
+    END_RECORD_SIZE,
+    LOCAL_HEADER,
+    LOCAL_HEADER_SIGNATURE,
+    ZipEndMissing,
+    check_zip_end,
+    read_record,
+    read_zip_records,
+    verify_record_crc,
+)
 
 
 @dataclass(frozen=True)
@@ -84,7 +102,10 @@ def read_zip_structure(path: Path, weights_only: bool, verify_crc: bool = False)
     info = require_regular_file(path)
     file = open_file(path)
     try:
-        records = read_zip_records(path, file, info.st_size)
+        try:
+            records = read_zip_records(path, file, info.st_size)
+        except ZipEndMissing as missing:
+            raise _with_the_size_needed(missing, file) from None
         pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
             raise CheckpointLoadError(
@@ -137,6 +158,77 @@ def read_zip_structure(path: Path, weights_only: bool, verify_crc: bool = False)
         return TorchFileStructure(path, content, storages)
     finally:
         close_file(file)
+
+
+def zip_truncation(path: CheckpointPath) -> ZipEndMissing | None:
+    """The error for the zip-format ``torch.save`` file ``path`` if it lost its end, else ``None``.
+
+    For the errors of readers other than :func:`read_zip_structure` (``torch.load``): it gives the file's size and the
+    size that its pickle or zip64 end record says it had.
+
+    """
+    info = require_regular_file(path)
+    file = open_file(path)
+    try:
+        check_zip_end(path, file, info.st_size)
+        return None
+    except ZipEndMissing as missing:
+        return _with_the_size_needed(missing, file)
+    finally:
+        close_file(file)
+
+
+def _with_the_size_needed(missing: ZipEndMissing, file: OpenFile) -> ZipEndMissing:
+    """``missing``, with the larger of the size it gives and the size that the file's pickle needs."""
+    known = [size for size in (missing.needed, _size_needed(missing.path, file, missing.file_size)) if size is not None]
+    return ZipEndMissing(missing.path, missing.file_size, max(known, default=None))
+
+
+def _size_needed(path: Path, file: OpenFile, file_size: int) -> int | None:
+    """The size that a truncated ``torch.save`` file had at least, from the pickle it starts with, or ``None``.
+
+    ``torch.save`` writes the pickle as the archive's first record, then one record for each storage it lists: the
+    file held at least the pickle, each storage's local header, name and bytes, a central directory entry for each of
+    these records, and the zip's end record. The pickle is read with torch's weights-only unpickler whatever the load
+    asked for (the file is damaged, and only the storages' sizes are wanted); ``None`` if it cannot be read.
+
+    """
+    header = bytearray(LOCAL_HEADER.size)
+    if file_size < len(header):
+        return None
+    read_exactly(file, 0, memoryview(header), path, "the first zip header")
+    signature, *_, name_length, extra_length = LOCAL_HEADER.unpack(header)
+    name = bytearray(name_length)
+    if signature != LOCAL_HEADER_SIGNATURE or len(header) + name_length > file_size:
+        return None
+    read_exactly(file, len(header), memoryview(name), path, "the first zip record's name")
+    pickle_name = bytes(name).decode("utf-8", "replace")
+    if not pickle_name.endswith("/data.pkl"):
+        return None
+    prefix = pickle_name.removesuffix("data.pkl")
+    storages: dict[str, int] = {}
+
+    def persistent_load(saved_id: Any) -> torch.TypedStorage:
+        _, storage_type, key, _, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        storages[str(_ascii(key))] = numel * dtype.itemsize
+        return torch.TypedStorage(
+            wrap_storage=torch.UntypedStorage(storages[str(_ascii(key))], device="meta"), dtype=dtype, _internal=True
+        )
+
+    try:
+        with file_stream(file) as stream:
+            stream.seek(len(header) + name_length + extra_length)
+            unpickler = unpickler_class(weights_only=True)(stream, encoding="utf-8")
+            unpickler.persistent_load = persistent_load
+            unpickler.load()
+            pickle_end = stream.tell()
+    except Exception:  # a damaged pickle can raise nearly anything: the error then gives the size only
+        return None
+    lengths = [len(f"{prefix}data/{key}".encode()) for key in storages]  # the storages' record names
+    records = sum(LOCAL_HEADER.size + length for length in lengths) + sum(storages.values())
+    directory = sum(CENTRAL_HEADER_SIZE + length for length in [name_length, *lengths])
+    return pickle_end + records + directory + END_RECORD_SIZE
 
 
 def unpickler_class(weights_only: bool) -> type:

@@ -204,13 +204,68 @@ def test_a_directory_holding_one_file_suggests_the_file(tmp_path):
     assert "Did you mean" not in str(two.value)  # several candidates: no guess
 
 
+def test_a_directory_holding_one_checkpoint_file_among_others_suggests_it(tmp_path):
+    """A run's folder, `fabric.save`'s `full.ckpt` beside a logger's `hparams.yaml`: the error names the file."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"model": {"w": torch.ones(2)}}, run / "full.ckpt")
+    (run / "hparams.yaml").write_text("lr: 0.1\n")
+    (run / "events.out.tfevents").write_bytes(b"\0" * 8)
+    (run / "step-1.ckpt").mkdir()  # a directory named like a checkpoint file is no candidate
+    with pytest.raises(CheckpointLoadError, match="holds no checkpoint") as error:
+        detect_checkpoint(run)
+    assert str(error.value).endswith(f"Did you mean {str(run / 'full.ckpt')!r}?")
+    # one file, but nothing that looks like a checkpoint: no guess
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("hi")
+    with pytest.raises(CheckpointLoadError, match="holds no checkpoint") as error:
+        detect_checkpoint(notes)
+    assert "Did you mean" not in str(error.value)
+
+
 def test_a_text_file_shows_its_first_bytes_as_text_too(tmp_path):
     """An HTML error page saved in place of the weights: the error shows what it is, not only hexadecimal bytes."""
     (tmp_path / "model.bin").write_text("<html><body>403 Forbidden</body></html>")
     with pytest.raises(CheckpointLoadError) as error:
         detect_checkpoint(tmp_path / "model.bin")
-    assert str(error.value).endswith("Its first bytes are 3c 68 74 6d 6c 3e 3c 62 (as text: '<html><b').")
+    assert str(error.value).endswith(
+        "Its first bytes are 3c 68 74 6d 6c 3e 3c 62 (as text: '<html><body>403 Forbidden</body></html>'). It is a web"
+        " page (a download that returned an error page?): download the checkpoint again."
+    )
     (tmp_path / "binary.bin").write_bytes(bytes(range(1, 40)))
     with pytest.raises(CheckpointLoadError) as error:
         detect_checkpoint(tmp_path / "binary.bin")
     assert str(error.value).endswith("Its first bytes are 01 02 03 04 05 06 07 08.")
+
+
+def test_a_git_lfs_pointer_is_shown_as_text_and_named(tmp_path):
+    """A clone without `git lfs pull`: the weights file is a pointer of three lines, shown escaped and cut short."""
+    pointer = tmp_path / "model.pth"
+    pointer.write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{'4d' * 32}\nsize 26953704\n")
+    with pytest.raises(CheckpointLoadError) as error:
+        detect_checkpoint(pointer)
+    assert str(error.value).endswith(
+        "Its first bytes are 76 65 72 73 69 6f 6e 20 (as text: 'version https://git-lfs.github.com/spec/'). It is a"
+        " Git LFS pointer, not the file it stands for: fetch the file with `git lfs pull` in its repository."
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "shown"),
+    [
+        ("Prüfsumme: ✓ fehlt\n".encode(), " (as text: 'Prüfsumme: ✓ fehlt\\n')."),
+        # 161 bytes, of which the first 160 are read: the last of those characters is cut, and left out
+        (("a" + "\U0001f600" * 45).encode(), f" (as text: {'a' + chr(0x1F600) * 39!r})."),
+        ("abcd\u202eevil".encode(), "."),  # a format character that would reorder the terminal's text: not text
+        (b"abcdefgh\xff\xfe", "."),  # not UTF-8
+        (b"\t\n  \r\n\t  \n", "."),  # whitespace only: nothing to read
+    ],
+    ids=["utf-8", "cut character", "format character", "not utf-8", "whitespace"],
+)
+def test_only_printable_utf8_text_is_shown_as_text(tmp_path, content, shown):
+    path = tmp_path / "file.ckpt"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointLoadError) as error:
+        detect_checkpoint(path)
+    assert str(error.value).endswith(f"Its first bytes are {content[:8].hex(' ')}{shown}")

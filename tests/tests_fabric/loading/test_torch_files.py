@@ -1,5 +1,6 @@
 """The structure of `torch.save` files, zip and legacy, read without their data: pickles walked weights-only."""
 
+import re
 import zipfile
 from pathlib import Path
 
@@ -7,9 +8,12 @@ import pytest
 import torch
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.files import close_file, open_file
+from lightning_fsdp.loading.formats import load_torch_file
 from lightning_fsdp.loading.legacy import read_legacy_structure
 from lightning_fsdp.loading.sources import ByteRangeSource, walk_tensors
 from lightning_fsdp.loading.torch_pickle import read_zip_structure
+from lightning_fsdp.loading.zip_records import ZipRecord, read_zip_records
 from tests.tests_fabric.helpers.checkpoints import MarkerPayload
 
 
@@ -80,6 +84,62 @@ def test_a_truncated_file_is_refused(tmp_path, legacy):
     path.write_bytes(path.read_bytes()[:-40])
     with pytest.raises(CheckpointLoadError, match="truncated"):
         _read_structure(path, legacy)
+
+
+def _truncated_error(path: Path, size: int) -> str:
+    path.with_name("cut.pt").write_bytes(path.read_bytes()[:size])
+    with pytest.raises(CheckpointLoadError, match="it is truncated") as error:
+        read_zip_structure(path.with_name("cut.pt"), weights_only=True)
+    return str(error.value)
+
+
+def test_a_truncated_zip_file_says_its_size_and_the_size_its_records_need(tmp_path):
+    """An interrupted copy: the error gives the size found and the size that the file's structures say it had."""
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": {"w": torch.zeros(1000), "b": torch.zeros(24, dtype=torch.float16)}, "step": 7}, path)
+    size = path.stat().st_size
+    pickle = _records(path)["checkpoint/data.pkl"]
+    pickle_end, storages = pickle.data_offset + pickle.size, 1000 * 4 + 24 * 2
+    with zipfile.ZipFile(path) as archive:
+        directory_start = archive.start_dir
+    sizes = r"It has (\d+) bytes, but its records say it had at least (\d+); its zip end record"
+    # cut in the tensors' data: the pickle's storages say how large the file was at least
+    for cut in (pickle_end + 1, size // 2):
+        found = re.search(sizes, _truncated_error(path, cut))
+        assert found, cut
+        assert int(found.group(1)) == cut
+        assert pickle_end + storages < int(found.group(2)) <= size
+    # cut in the end record: the zip64 end record before it says how large the file was
+    for cut in (size - 1, size - 22):
+        found = re.search(sizes, _truncated_error(path, cut))
+        assert found, cut
+        assert (int(found.group(1)), int(found.group(2))) == (cut, size)
+    # cut in the pickle, or in the central directory, past what the pickle accounts for: only the size found
+    for cut in (pickle_end - 10, directory_start + 10):
+        assert _truncated_error(path, cut).endswith(
+            f"it is truncated. It has {cut} bytes; its zip end record (the last bytes of every zip file) is"
+            " missing. Re-copy or re-save it, and compare its size with the original's."
+        )
+
+
+def test_a_truncated_zip_file_read_whole_says_the_same(tmp_path):
+    """A trusted file is read by `torch.load`, whose error for a truncated file is `OSError: Invalid argument`."""
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}, "step": 7}, path)
+    expected = _truncated_error(path, path.stat().st_size // 2)
+    with pytest.raises(CheckpointLoadError) as error:
+        load_torch_file(path.with_name("cut.pt"), weights_only=False)
+    assert str(error.value) == expected
+    assert error.value.__cause__ is None
+    assert error.value.__suppress_context__  # torch's error is not printed under it
+
+
+def _records(path: Path) -> dict[str, ZipRecord]:
+    file = open_file(path)
+    try:
+        return read_zip_records(path, file, path.stat().st_size)
+    finally:
+        close_file(file)
 
 
 def test_a_zip_archive_that_torch_did_not_write_is_refused(tmp_path):
