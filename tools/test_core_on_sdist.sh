@@ -27,9 +27,12 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
 skip() {
-    echo "sdist check SKIPPED: $1. The core's own tests (tests/tests_fabric/core/) ran in the package's suite." >&2
+    # `make test` leaves the core's tests to this check (it runs them here, with Lightning's names): without the
+    # sdist they run in the package instead, so that they never go unrun
+    echo "sdist check SKIPPED: $1. The core's own tests (tests/tests_fabric/core/) run in the package instead." >&2
     [ "${REQUIRE_LIGHTNING_SOURCE:-0}" = 1 ] && exit 1
-    exit 0
+    cd "$PROJECT"
+    exec "$PY" -m pytest -p no:cacheprovider -q --color=no tests/tests_fabric/core
 }
 
 VERSION=$("$PY" -c "import lightning; print(lightning.__version__)")

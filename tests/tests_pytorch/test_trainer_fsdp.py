@@ -1,14 +1,22 @@
 """The Trainer's ``FSDPStrategy`` of this package: real ``Trainer.fit`` runs on CPU ranks, as users start them.
 
-Each run is ``python scripts/trainer_worker.py ...``: the Trainer starts the other ranks itself (its subprocess
-launcher), and two "nodes" are two such commands with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Rank 0 of a
-run writes what the strategy holds after the restore in the Trainer's own checkpoint format (the model's and the
-optimizer's full states), which the tests compare bit for bit with the checkpoint and with Lightning's own restore.
+A run is ``main()`` of ``scripts/trainer_worker.py`` on its ranks. Most runs start the ranks as ``torchrun`` or SLURM
+would: processes that the launcher's variables (``LOCAL_RANK``, ``NODE_RANK``, ``MASTER_ADDR``, ...) describe, which
+the Trainer joins instead of starting its own (forked from a server that has Lightning imported: a fresh interpreter
+per rank spent most of these tests' time importing it). The checkpoint that most tests start from is written by
+``python scripts/trainer_worker.py``, whose Trainer starts the second rank itself (its subprocess launcher), and two
+"nodes" are two such commands with ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. Rank 0 of a run writes what the
+strategy holds after the restore in the Trainer's own checkpoint format (the model's and the optimizer's full
+states), which the tests compare bit for bit with the checkpoint and with Lightning's own restore.
 """
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 import pytest
@@ -19,6 +27,7 @@ from lightning.pytorch.strategies import FSDPStrategy as UpstreamFSDPStrategy
 
 import lightning_fsdp
 from lightning_fsdp.pytorch import FSDPStrategy, LoadWeights, ModelParallelStrategy
+from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.env import without_launcher_variables
 from tests.tests_fabric.helpers.state import assert_identical
 
@@ -34,21 +43,59 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def _run(*args: str, expect_failure: bool = False, env: dict[str, str] | None = None) -> str:
-    """Run the worker (which launches its ranks); return its output, failing the test unless it exits as expected."""
-    process = subprocess.run(
-        [sys.executable, str(_WORKER), *args],
-        env=env or _env(),
-        cwd=_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=_TIMEOUT,
-    )
-    if (process.returncode != 0) != expect_failure:
-        tail = "\n".join(process.stdout.splitlines()[-40:])
-        pytest.fail(f"`trainer_worker.py {' '.join(args)}` exited with {process.returncode}:\n{tail}")
-    return process.stdout
+def _run(*args: str, expect_failure: bool = False, launch: bool = False) -> str:
+    """Run the worker on its ranks; return their output, failing the test unless they finish as expected.
+
+    With ``launch``, the worker runs as a script whose Trainer starts the other ranks itself; otherwise its ranks are
+    started as a launcher starts them (see the module's docstring).
+
+    """
+    if launch:
+        process = subprocess.run(
+            [sys.executable, str(_WORKER), *args],
+            env=_env(),
+            cwd=_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=_TIMEOUT,
+        )
+        failed, output = process.returncode != 0, process.stdout
+    else:
+        devices = int(next((arg.split("=")[1] for arg in args if arg.startswith("--devices=")), 2))
+        logs = Path(tempfile.mkdtemp(prefix="trainer-ranks-"))
+        try:
+            run_distributed(_worker_rank, list(args), str(logs), devices=devices, timeout=_TIMEOUT)
+            failed, failure = False, ""
+        except AssertionError as error:
+            failed, failure = True, str(error)
+        output = "\n".join(path.read_text() for path in sorted(logs.glob("rank*.log"))) + failure
+        shutil.rmtree(logs, ignore_errors=True)
+    if failed != expect_failure:
+        tail = "\n".join(output.splitlines()[-40:])
+        pytest.fail(f"`trainer_worker.py {' '.join(args)}` {'failed' if failed else 'succeeded'}:\n{tail}")
+    return output
+
+
+def _worker_rank(argv: list[str], logs: str) -> None:
+    """One rank of a run: the worker's ``main()`` with ``argv``, its output (fd 1 and 2) in ``rank<N>.log``."""
+    rank = os.environ["LOCAL_RANK"]
+    log = os.open(os.path.join(logs, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("trainer_worker", _WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    sys.argv = [str(_WORKER), *argv]
+    try:
+        worker.main()
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def _load(path: Path) -> dict:
@@ -74,7 +121,7 @@ def _assert_same_optimizer(actual: dict, expected: dict) -> None:
 def trainer_checkpoint(tmp_path_factory) -> Path:
     """A full checkpoint that the Trainer wrote after 3 steps on 2 ranks, each Linear in its own FSDP unit."""
     path = tmp_path_factory.mktemp("trainer") / "full.ckpt"
-    output = _run("save", f"--ckpt={path}", "--wrap", f"--gathered={path.with_name('gathered.ckpt')}")
+    output = _run("save", f"--ckpt={path}", "--wrap", f"--gathered={path.with_name('gathered.ckpt')}", launch=True)
     assert "without a gather: each of the 2 ranks wrote its own slices" in output
     assert "saved by gathering" not in output
     return path
