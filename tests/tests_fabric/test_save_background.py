@@ -119,6 +119,52 @@ def test_background_save_holds_the_state_at_the_call(strategy_name, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
+def _export_steps_then_wait(strategy_name: str, folder: str) -> bool:
+    from lightning_fsdp.saving import save_safetensors
+
+    fabric, model, optimizer = _setup(strategy_name)
+    background = fabric.strategy._background_saves
+    fabric.strategy._background_saves = None  # the reference: the synchronous export of the same weights
+    save_safetensors(fabric, f"{folder}/reference.safetensors", model)
+    save_safetensors(fabric, f"{folder}/reference", model, max_shard_size=300)
+    fabric.strategy._background_saves = background
+
+    release, held_back = _held_back_saves()
+    with held_back:
+        save_safetensors(fabric, f"{folder}/background.safetensors", model)
+        in_flight = background.in_flight and not Path(f"{folder}/background.safetensors").exists()
+        for _ in range(3):
+            _step(fabric, model, optimizer)
+        release.set()
+        # the next export waits for this one, then runs in the background in its turn (a directory of shards)
+        save_safetensors(fabric, f"{folder}/background", model, max_shard_size=300)
+        fabric.strategy.wait_for_save()
+    return in_flight
+
+
+@pytest.mark.parametrize("strategy_name", ["fsdp1", "fsdp2"])
+def test_background_export_holds_the_weights_at_the_call(strategy_name, tmp_path):
+    """`save_safetensors` with `save_in_background=True`: the file holds the weights at the call although the
+    optimizer steps during the write (byte for byte the synchronous export's), and a directory export follows it."""
+    results = run_distributed(_export_steps_then_wait, strategy_name, str(tmp_path), devices=2)
+    assert results == [True, True]
+    assert (tmp_path / "background.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    shards = sorted(path.name for path in (tmp_path / "background").iterdir())
+    assert shards == sorted(path.name for path in (tmp_path / "reference").iterdir())
+    assert "model.safetensors.index.json" in shards
+    # the directory was exported after the three steps: its weights differ from the first export's
+    from safetensors.torch import load_file
+
+    first = load_file(tmp_path / "background.safetensors")
+    later = {}
+    for name in shards:
+        if name.endswith(".safetensors"):
+            later.update(load_file(tmp_path / "background" / name))
+    assert first.keys() == later.keys()
+    assert any(not torch.equal(first[key], later[key]) for key in first)
+    assert [p.name for p in tmp_path.rglob("*") if p.name.endswith(".tmp")] == []
+
+
 def _failing_background_save(path: str) -> tuple[str, str]:
     fabric, model, optimizer = _setup("fsdp1")
     real_pwrite = os.pwrite

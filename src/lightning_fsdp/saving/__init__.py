@@ -16,7 +16,7 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 
 from lightning_fsdp.loading.agreement import new_namespace
-from lightning_fsdp.saving.background import BackgroundSaves
+from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
 from lightning_fsdp.saving.consolidated import CheckpointSaveError, Ranks, SaveRequest, save
 
 __all__ = ["CheckpointSaveError", "save_full_checkpoint", "save_safetensors"]
@@ -117,7 +117,9 @@ def save_safetensors(fabric: Any, path: Any, model: Module, max_shard_size: int 
     gives them), each tied tensor once (for a transformers model under the name ``save_pretrained`` keeps, else
     under its first name). Rank 0 writes the headers, the index and the configuration; every rank writes its slices
     at their offsets; the file, or the directory, appears under ``path`` only when every rank succeeded. An earlier
-    directory at ``path`` is replaced as a whole. Call it on every rank, like ``fabric.save``.
+    directory at ``path`` is replaced as a whole. Call it on every rank, like ``fabric.save``. With a strategy made
+    with ``save_in_background=True``, it first waits for the save in flight, then returns once every rank holds a copy
+    of its slices, and the files are written in the background, as a full checkpoint is (``wait_for_save()``).
 
     Example::
 
@@ -145,6 +147,9 @@ def save_safetensors(fabric: Any, path: Any, model: Module, max_shard_size: int 
 
     strategy = getattr(fabric, "strategy", fabric)
     module = getattr(model, "_forward_module", model)
+    background: BackgroundSaves | None = getattr(strategy, "_background_saves", None)
+    if background is not None:
+        wait_for_save(strategy)  # at most one save in flight: the previous one finishes (or raises) first
     single_file = str(path).endswith(".safetensors")
     if single_file and max_shard_size is not None:
         raise ValueError(
@@ -172,8 +177,12 @@ def save_safetensors(fabric: Any, path: Any, model: Module, max_shard_size: int 
         safetensors=True,
         max_shard_size=shard_size,
     )
+    hand_off = None
+    if background is not None:
+        request.snapshot = background.snapshot
+        hand_off = partial(background.start, what=repr(str(path)))
     try:
-        reason = save(request, _converted)
+        reason = save(request, _converted, hand_off)
     except SaveUnsupported as error:  # raised by the header on every rank alike
         reason = str(error)
     if reason is not None:
