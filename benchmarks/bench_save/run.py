@@ -250,6 +250,16 @@ def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
     if cfg["implementation"] == "background":
         result["blocked"] = blocked
         result["training_seconds"] = seconds - blocked
+        # a second save, as every save after the first: the host buffers of the first are reused (no allocation)
+        fabric.barrier()
+        start = time.perf_counter()
+        fabric.save(cfg["path"] + ".second", state)
+        fabric.barrier()
+        result["blocked_second"] = time.perf_counter() - start
+        fabric.strategy.wait_for_save()
+        fabric.barrier()
+        if rank == 0:
+            os.remove(cfg["path"] + ".second")
         # the same number of steps without a save in flight, for steps per second against
         start = time.perf_counter()
         for _ in range(max(steps_during, 1)):
@@ -362,6 +372,7 @@ def _compare(ours: Path, reference: Path) -> str:
 def _background_row(strategy: str, runs: dict[str, list[dict[str, Any]]], verdict: str) -> str:
     ranks, synchronous = runs["background"], runs["lightning-fsdp"]
     blocked = max(rank["blocked"] for rank in ranks)
+    blocked_second = max(rank["blocked_second"] for rank in ranks)
     complete = max(rank["seconds"] for rank in ranks)
     sync_seconds = max(rank["seconds"] for rank in synchronous)
     rank0 = ranks[0]
@@ -372,7 +383,8 @@ def _background_row(strategy: str, runs: dict[str, list[dict[str, Any]]], verdic
     else:
         steps = "n/a (the write ended before a step did)"
     return (
-        f"| {strategy} | {blocked:.2f} s | {complete:.1f} s | {sync_seconds:.1f} s | {blocked / sync_seconds:.3f} |"
+        f"| {strategy} | {blocked:.2f} s | {blocked_second:.2f} s | {complete:.1f} s | {sync_seconds:.1f} s |"
+        f" {blocked / sync_seconds:.3f} / {blocked_second / sync_seconds:.3f} |"
         f" {rank0['steps_during']} | {steps} | {_gb(max(rank['peak_above_base'] for rank in ranks))} | {verdict} |"
     )
 
@@ -403,10 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     targets = []
     background_rows = [
-        "| strategy | training blocked | file complete after | synchronous save | blocked / synchronous |"
-        " steps during the write (rank 0) | steps/s during / without a save | host memory above base (max rank) |"
-        " file vs Lightning's |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| strategy | training blocked, first save | blocked, next saves | file complete after | synchronous save |"
+        " blocked / synchronous (first / next) | steps during the write (rank 0) | steps/s during / without a save |"
+        " host memory above base (max rank) | file vs Lightning's |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     measured: dict[str, Any] = {}
     floors: dict[str, float] = {}

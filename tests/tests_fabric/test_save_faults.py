@@ -21,11 +21,11 @@ from tests.tests_fabric.helpers.distributed import run_distributed
 _EARLIER = b"an earlier checkpoint"
 
 
-def _setup(width: int) -> tuple[Fabric, nn.Module, torch.optim.Optimizer]:
+def _setup(width: int, background: bool = False) -> tuple[Fabric, nn.Module, torch.optim.Optimizer]:
     from lightning_fsdp.loading import agreement
 
     agreement._UNRESPONSIVE_AFTER_S = 3.0  # a killed rank is named within seconds, inside the runner's grace period
-    strategy = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full")
+    strategy = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full", save_in_background=background)
     fabric = Fabric(accelerator="cpu", devices=3, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(1)
@@ -36,8 +36,8 @@ def _setup(width: int) -> tuple[Fabric, nn.Module, torch.optim.Optimizer]:
     return fabric, model, optimizer
 
 
-def _save_with_fault(path: str, fault: str, width: int) -> str:
-    fabric, model, optimizer = _setup(width)
+def _save_with_fault(path: str, fault: str, width: int, background: bool = False) -> str:
+    fabric, model, optimizer = _setup(width, background)
     real_pwrite = os.pwrite
 
     def failing_pwrite(fd: int, data: bytes, offset: int) -> int:
@@ -49,11 +49,22 @@ def _save_with_fault(path: str, fault: str, width: int) -> str:
     with mock.patch("os.pwrite", failing_pwrite if faulty else real_pwrite):
         try:
             fabric.save(path, {"model": model, "optimizer": optimizer})
+            if background:
+                # the call returned before the write, and the error comes at the wait. Training goes on meanwhile,
+                # except after a kill: a step's collectives would fail on the dead rank first, as they do in a run
+                if fault != "kill":
+                    _step(fabric, model, optimizer)
+                fabric.strategy.wait_for_save()
         except CheckpointSaveError as error:
             if fault == "kill":
                 Path(f"{path}.error-{fabric.global_rank}").write_text(str(error))
             return str(error)
     return ""
+
+
+def _step(fabric: Fabric, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    fabric.backward(model(torch.randn(2, model.module[0].in_features)).sum())
+    optimizer.step()
 
 
 def _assert_untouched(path: Path) -> None:
@@ -62,21 +73,23 @@ def _assert_untouched(path: Path) -> None:
     assert leftovers == []
 
 
-def test_io_error_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["in-the-call", "in-the-background"])
+def test_io_error_on_one_rank_fails_every_rank(tmp_path: Path, background: bool) -> None:
     path = tmp_path / "model.ckpt"
     path.write_bytes(_EARLIER)
-    errors = run_distributed(_save_with_fault, str(path), "eio", 8, devices=3)
+    errors = run_distributed(_save_with_fault, str(path), "eio", 8, background, devices=3)
     for error in errors:
         assert "rank 1" in error
         assert "Input/output error" in error
     _assert_untouched(path)
 
 
-def test_killed_rank_fails_every_other_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["in-the-call", "in-the-background"])
+def test_killed_rank_fails_every_other_rank(tmp_path: Path, background: bool) -> None:
     path = tmp_path / "model.ckpt"
     path.write_bytes(_EARLIER)
     with pytest.raises(AssertionError, match=r"no result from ranks \[1\]"):
-        run_distributed(_save_with_fault, str(path), "kill", 8, devices=3)
+        run_distributed(_save_with_fault, str(path), "kill", 8, background, devices=3)
     for rank in (0, 2):
         error = Path(f"{path}.error-{rank}").read_text()
         assert "rank 1" in error
