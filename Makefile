@@ -37,13 +37,10 @@ demo: setup
 # the suite took 27 min in one process and 15 min in two (2026-12-03). PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 
-# The core's own tests (tests/tests_fabric/core) run in tools/test_core_on_sdist.sh, written into the installed
-# release's sdist with Lightning's names (the same tests against the same release; in the package too when the sdist
-# cannot be had), and in tools/test_patched_upstream.sh on Lightning's master: the suite leaves them out, not to run
-# them a third time. `pytest tests` runs everything.
+# The suite (without the core's own tests, which the sdist check runs against the same release) and, at the same time
+# at a lower CPU priority, the checks against Lightning's own code: tools/test_all.sh says why.
 test: setup
-	$(PY) -m pytest tests -q -n $(PYTEST_WORKERS) --dist worksteal --ignore=tests/tests_fabric/core
-	bash tools/test_upstream_checks.sh $(PY)
+	bash tools/test_all.sh $(PY) $(PYTEST_WORKERS)
 
 # The series (tools/upstream_series.py) written into Lightning's pinned master, and Lightning's tests run on it; then
 # written into the installed release's sdist, and the core's tests run on it with Lightning's names.
