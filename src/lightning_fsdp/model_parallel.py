@@ -17,7 +17,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -54,7 +54,7 @@ from lightning_fsdp.loading_calls import (
     load_request,
     raise_if_path_refused,
 )
-from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
+from lightning_fsdp.saving.background import BackgroundSaves, sharded_saves_in_background, wait_for_save
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -87,7 +87,7 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
             loaded with ``weights_only=False``) in host memory at the same time; ``"auto"`` derives it from the
             memory available to the node. See :class:`lightning_fsdp.FSDPStrategy`.
         load_progress: Show a progress bar while loading, once per node, when the output is a terminal.
-        save_in_background: Write full checkpoints (``save_distributed_checkpoint=False``) in the background; see
+        save_in_background: Write checkpoints in the background, full ones and distributed ones; see
             :class:`lightning_fsdp.FSDPStrategy`.
 
     """
@@ -208,7 +208,13 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
                         self, path, state, filter, modules[0], fsdp2=True, background=self._background_saves
                     ):
                         return
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        background = nullcontext()
+        if self._save_distributed_checkpoint and self._background_saves is not None:
+            background = sharded_saves_in_background(
+                self._background_saves, "lightning.fabric.strategies.model_parallel"
+            )
+        with background:
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
     def load_checkpoint(

@@ -17,7 +17,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -58,7 +58,7 @@ from lightning_fsdp.loading_calls import (
     load_request,
     raise_if_path_refused,
 )
-from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
+from lightning_fsdp.saving.background import BackgroundSaves, sharded_saves_in_background, wait_for_save
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
@@ -87,10 +87,10 @@ class FSDPStrategy(_CoreFSDPStrategy):
             time. With ``weights_only=True`` (the default) every format is read by byte ranges and needs no turns.
         load_progress: Show a progress bar while loading, once per node, when the output is a terminal. The
             environment variable ``LIGHTNING_FSDP_PROGRESS=0`` turns it off too.
-        save_in_background: Write full checkpoints (``state_dict_type="full"``) in the background: ``fabric.save``
-            returns once every rank holds a copy of its slices, and the file appears when every rank has written it.
-            The next save, a load and :meth:`wait_for_save` wait for it and raise its error (see
-            :mod:`lightning_fsdp.saving.background`).
+        save_in_background: Write checkpoints in the background: ``fabric.save`` returns once every rank holds a
+            copy of its slices, and the file appears when every rank has written it (a sharded checkpoint: torch's
+            asynchronous distributed checkpoint writes the directory). The next save, a load and
+            :meth:`wait_for_save` wait for it and raise its error (see :mod:`lightning_fsdp.saving.background`).
 
     """
 
@@ -245,7 +245,10 @@ class FSDPStrategy(_CoreFSDPStrategy):
                 ):
                     return None
         if self._state_dict_type != "full" or not self._set_up_on_cpu():
-            with torch_internal_warnings_silenced():
+            background = nullcontext()
+            if self._state_dict_type == "sharded" and self._background_saves is not None:
+                background = sharded_saves_in_background(self._background_saves, "lightning.fabric.strategies.fsdp")
+            with torch_internal_warnings_silenced(), background:
                 return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         if storage_options is not None:
             raise TypeError(

@@ -35,17 +35,18 @@ def _parallelize(model: nn.Module, device_mesh) -> nn.Module:
     return fully_shard(model, mesh=device_mesh["data_parallel"])
 
 
-def _setup(strategy_name: str) -> tuple[Fabric, nn.Module, torch.optim.Optimizer]:
+def _setup(strategy_name: str, sharded: bool = False) -> tuple[Fabric, nn.Module, torch.optim.Optimizer]:
     if strategy_name == "fsdp2":
         strategy = ModelParallelStrategy(
             _parallelize,
             data_parallel_size=2,
             tensor_parallel_size=1,
-            save_distributed_checkpoint=False,
+            save_distributed_checkpoint=sharded,
             save_in_background=True,
         )
     else:
-        strategy = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full", save_in_background=True)
+        state_dict_type = "sharded" if sharded else "full"
+        strategy = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type=state_dict_type, save_in_background=True)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(1)
@@ -163,6 +164,79 @@ def test_background_export_holds_the_weights_at_the_call(strategy_name, tmp_path
     assert first.keys() == later.keys()
     assert any(not torch.equal(first[key], later[key]) for key in first)
     assert [p.name for p in tmp_path.rglob("*") if p.name.endswith(".tmp")] == []
+
+
+def _local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    tensors = list(model.parameters())
+    tensors += [value for state in optimizer.state.values() for _, value in sorted(state.items())]
+    return [(t.to_local() if isinstance(t, DTensor) else t).detach().clone() for t in tensors]
+
+
+def _same(first: list[torch.Tensor], second: list[torch.Tensor]) -> bool:
+    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def _sharded_steps_then_wait(strategy_name: str, folder: str) -> tuple[bool, bool, bool, bool]:
+    import torch.distributed.checkpoint as dcp
+
+    fabric, model, optimizer = _setup(strategy_name, sharded=True)
+    background = fabric.strategy._background_saves
+    state = {"model": model, "optimizer": optimizer, "step": 1}
+    fabric.strategy._background_saves = None  # the reference: the synchronous sharded save of the same state
+    fabric.save(f"{folder}/reference", state)
+    fabric.strategy._background_saves = background
+
+    # torch's writing thread starts only once the steps below have changed the model and Adam's state
+    release = threading.Event()
+    real_save = dcp.save
+
+    def held_back_save(*args, **kwargs):
+        release.wait(timeout=60)
+        return real_save(*args, **kwargs)
+
+    with mock.patch.object(dcp, "save", held_back_save):
+        fabric.save(f"{folder}/background", state)
+        in_flight = background.in_flight
+        for _ in range(3):
+            _step(fabric, model, optimizer)
+        trained = _local_state(model, optimizer)
+        release.set()
+        fabric.strategy.wait_for_save()
+    buffers = _data_pointers(background._staged)
+    fabric.save(f"{folder}/second", state)  # the next sharded save copies into the same host buffers
+    fabric.strategy.wait_for_save()
+    reused = bool(buffers) and _data_pointers(background._staged) == buffers
+    fabric.load(f"{folder}/reference", state)
+    reference = _local_state(model, optimizer)
+    fabric.load(f"{folder}/background", state)
+    loaded = _local_state(model, optimizer)
+    return in_flight, _same(loaded, reference), not _same(loaded, trained), reused
+
+
+def _data_pointers(state: object) -> list[int]:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return [pointer for value in state.values() for pointer in _data_pointers(value)]
+    if isinstance(state, (list, tuple)):
+        return [pointer for value in state for pointer in _data_pointers(value)]
+    if isinstance(state, ShardedTensor):
+        return [shard.tensor.data_ptr() for shard in state.local_shards()]
+    if isinstance(state, DTensor):
+        return [state.to_local().data_ptr()]
+    return [state.data_ptr()] if isinstance(state, torch.Tensor) and state.dim() else []
+
+
+@pytest.mark.parametrize("strategy_name", ["fsdp1", "fsdp2"])
+def test_background_sharded_save_holds_the_state_at_the_call(strategy_name, tmp_path):
+    """A sharded checkpoint (torch's asynchronous distributed checkpoint): the call returns before the directory is
+    written, the optimizer steps three times before torch's thread writes it, and the directory loads back as the
+    synchronous save's of the state at the call; the next sharded save reuses the host buffers."""
+    results = run_distributed(_sharded_steps_then_wait, strategy_name, str(tmp_path), devices=2)
+    assert results == [(True, True, True, True), (True, True, True, True)]
 
 
 def _failing_background_save(path: str) -> tuple[str, str]:

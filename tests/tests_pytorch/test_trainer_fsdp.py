@@ -156,6 +156,22 @@ def test_resume_full_checkpoint_shard_local_on_other_numbers_of_ranks(trainer_ch
         _assert_same_optimizer(report["optimizer_states"][0], saved["optimizer_states"][0])
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "model_parallel"])
+def test_sharded_save_in_background_resumes(strategy, tmp_path):
+    """`save_in_background=True` with a sharded checkpoint: torch's distributed checkpoint writes it in the background
+    (the run's teardown waits for it), and it resumes exactly."""
+    checkpoint, at_save, at_resume = tmp_path / "sharded", tmp_path / "save.pt", tmp_path / "resume.pt"
+    common = [f"--strategy={strategy}", "--state-dict-type=sharded", f"--ckpt={checkpoint}"]
+    output = _run("save", *common, "--background", f"--report={at_save}")
+    assert output.count("sharded save staged in host memory: True") == 2  # both ranks
+    assert (checkpoint / ".metadata").is_file()
+    _run("resume", *common, "--steps=4", f"--report={at_resume}")
+    saved, resumed = _load(at_save), _load(at_resume)
+    assert resumed["global_step"] == saved["global_step"] == 3
+    _assert_same_model(resumed["state_dict"], saved["state_dict"])
+    _assert_same_optimizer(resumed["optimizer_states"][0], saved["optimizer_states"][0])
+
+
 def test_resume_sharded_checkpoint(tmp_path):
     """A sharded checkpoint that the Trainer wrote goes through the validated reader, and resumes exactly."""
     checkpoint, at_save, at_resume = tmp_path / "sharded", tmp_path / "save.pt", tmp_path / "resume.pt"

@@ -17,7 +17,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -43,7 +43,7 @@ from lightning_fsdp.pytorch.saving import (
     hooks_allow_stand_ins,
     save_without_gather,
 )
-from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
+from lightning_fsdp.saving.background import BackgroundSaves, sharded_saves_in_background, wait_for_save
 from lightning_fsdp.strategy import _full_state_dict_type, cpu_wrapper_kwargs, wrap_on_cpu
 
 if TYPE_CHECKING:
@@ -206,7 +206,10 @@ class FSDPStrategy(_FSDPStrategy):
         ):
             return
         fill_gathered(checkpoint, self._gathered_module_state, self._gathered_optimizer_state)
-        with torch_internal_warnings_silenced():
+        background = nullcontext()
+        if self._state_dict_type == "sharded" and self._background_saves is not None:
+            background = sharded_saves_in_background(self._background_saves, "lightning.pytorch.strategies.fsdp")
+        with torch_internal_warnings_silenced(), background:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _saves_without_gather(self) -> bool:

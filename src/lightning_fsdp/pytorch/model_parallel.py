@@ -16,7 +16,7 @@
 Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -36,7 +36,7 @@ from lightning_fsdp.pytorch.saving import (
     hooks_allow_stand_ins,
     save_without_gather,
 )
-from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
+from lightning_fsdp.saving.background import BackgroundSaves, sharded_saves_in_background, wait_for_save
 
 
 class ModelParallelStrategy(_ModelParallelStrategy):
@@ -112,7 +112,13 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         ):
             return
         fill_gathered(checkpoint, super().lightning_module_state_dict, super().optimizer_state)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        background = nullcontext()
+        if self._save_distributed_checkpoint and self._background_saves is not None:
+            background = sharded_saves_in_background(
+                self._background_saves, "lightning.pytorch.strategies.model_parallel"
+            )
+        with background:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _saves_without_gather(self) -> bool:
         return not self._save_distributed_checkpoint and self.parallel_devices is not None

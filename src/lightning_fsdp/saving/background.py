@@ -19,12 +19,16 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 from __future__ import annotations
 
 import atexit
+import importlib
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
@@ -41,6 +45,8 @@ class BackgroundSaves:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._what = ""
+        self._group: Any = None
+        self._staged: dict[str, Any] | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -69,6 +75,61 @@ class BackgroundSaves:
             rest()
         except BaseException as error:
             self._error = error
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A copy of a distributed checkpoint's state dict in host memory.
+
+        The buffers of the previous copy are reused where the structure is the same. torch's own staging utilities
+        make it: they know ``ShardedTensor`` and ``DTensor``.
+
+        """
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self._staged is not None:
+            try:
+                return _copy_state_dict(state_dict, self._staged, type_check=False)
+            except Exception:  # another structure (another model, a new optimizer state): new buffers below
+                self._staged = None
+        self._staged = _create_cpu_state_dict(state_dict)
+        return _copy_state_dict(state_dict, self._staged, type_check=False)
+
+    def process_group(self) -> Any:
+        """A gloo group of all ranks for the background writes of sharded checkpoints (created once, on every rank).
+
+        torch's asynchronous distributed checkpoint runs its collectives in the thread that writes: on a group of
+        their own, they never interleave with the training loop's collectives on the default group.
+
+        """
+        if self._group is None:
+            self._group = torch.distributed.new_group(backend="gloo")
+        return self._group
+
+
+@contextmanager
+def sharded_saves_in_background(saves: BackgroundSaves, strategy_module: str) -> Iterator[None]:
+    """Within it, the sharded save of Lightning's ``strategy_module`` writes in the background.
+
+    The call copies every rank's shards (``ShardedTensor`` or ``DTensor`` local shards, and the other tensors) into
+    host buffers that the next sharded save reuses, then torch's distributed checkpoint ``save`` writes the copy in the
+    thread of :meth:`BackgroundSaves.start`, on a process group of its own (:meth:`BackgroundSaves.process_group`):
+    the next save, a load, ``teardown`` and ``wait_for_save`` wait for it and raise its error. Lightning writes the
+    checkpoint's other entries (``meta.pt``) in the call, as before.
+
+    """
+    from torch.distributed.checkpoint import save
+
+    def save_in_background(converted_state: dict[str, Any], path: Path) -> None:
+        staged = saves.stage(converted_state)
+        group = saves.process_group()
+        saves.start(lambda: save(staged, checkpoint_id=path, process_group=group), what=repr(str(path)))
+
+    module = importlib.import_module(strategy_module)
+    synchronous = module._distributed_checkpoint_save
+    module._distributed_checkpoint_save = save_in_background  # for this call only: the strategy's save is Lightning's
+    try:
+        yield
+    finally:
+        module._distributed_checkpoint_save = synchronous
 
 
 def wait_for_save(strategy: Any) -> None:

@@ -150,6 +150,9 @@ def main() -> None:
     if args.mode == "save":
         trainer.fit(model_class(), loader)
         trainer.save_checkpoint(args.ckpt)
+        if args.background and args.state_dict_type == "sharded":
+            # the background sharded save copied the shards into host buffers of its own before it returned
+            print(f"sharded save staged in host memory: {strategy._background_saves._staged is not None}", flush=True)
         if args.gathered:
             strategy._saves_without_gather = lambda: False  # the states gathered on rank 0, as upstream saves them
             trainer.save_checkpoint(args.gathered)
