@@ -37,8 +37,8 @@ demo: setup
 # the suite took 27 min in one process and 15 min in two (2026-12-03). PYTEST_WORKERS=0 runs it in one process.
 PYTEST_WORKERS ?= 2
 
-# The suite (without the core's own tests, which the sdist check runs against the same release) and, at the same time
-# at a lower CPU priority, the checks against Lightning's own code: tools/test_all.sh says why.
+# The suite (without the core's own tests, which the sdist check runs against the same release), then the checks
+# against Lightning's own code: tools/test_all.sh says why.
 test: setup
 	bash tools/test_all.sh $(PY) $(PYTEST_WORKERS)
 

@@ -32,7 +32,8 @@ skip() {
     echo "sdist check SKIPPED: $1. The core's own tests (tests/tests_fabric/core/) run in the package instead." >&2
     [ "${REQUIRE_LIGHTNING_SOURCE:-0}" = 1 ] && exit 1
     cd "$PROJECT"
-    exec "$PY" -m pytest -p no:cacheprovider -q --color=no tests/tests_fabric/core
+    PYTHONPATH="$PROJECT/tools${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m pytest -p no:cacheprovider \
+        -p pytest_forkserver_ranks -q --color=no tests/tests_fabric/core
 }
 
 VERSION=$("$PY" -c "import lightning; print(lightning.__version__)")
@@ -91,14 +92,16 @@ EOF
 # From here on, nothing may come from this project: a `lightning_fsdp` that refuses to import shadows the installed one.
 mkdir -p "$WORK/block/lightning_fsdp"
 echo 'raise ImportError("the sdist check must not import lightning_fsdp")' >"$WORK/block/lightning_fsdp/__init__.py"
-export PYTHONPATH="$TREE/src:$WORK/block:$WORK/tests"
+export PYTHONPATH="$TREE/src:$WORK/block:$WORK/tests:$PROJECT/tools"
 "$PY" -c "
 import lightning, torch
 assert lightning.__file__.startswith('$TREE/src/'), lightning.__file__
 print(f'patched lightning {lightning.__version__} (sdist) from {lightning.__file__}, torch {torch.__version__}')
 "
 cd "$WORK/tests"
-"$PY" -m pytest -p no:cacheprovider -q --color=no -o addopts="" --rootdir "$WORK/tests" --timeout 300 \
+# ranks from a fork server with torch and Lightning imported (tools/pytest_forkserver_ranks.py says why)
+"$PY" -m pytest -p no:cacheprovider -p pytest_forkserver_ranks -q --color=no -o addopts="" --rootdir "$WORK/tests" \
+    --timeout 300 \
     --durations 3 tests_fabric/core && status=0 || status=$?
 if grep -q "optional edit skipped: .*module_sharded_context" "$WORK/apply.log"; then
     echo "lightning $VERSION lacks master's #21774 (FSDP on CPU passes \`device_id=None\`): the series' edit for it" \

@@ -40,14 +40,15 @@ TREE=$WORK/lightning
 # From here on, nothing may come from this project: a `lightning_fsdp` that refuses to import shadows the installed one.
 mkdir -p "$WORK/block/lightning_fsdp"
 echo 'raise ImportError("the patched-upstream run must not import lightning_fsdp")' >"$WORK/block/lightning_fsdp/__init__.py"
-export PYTHONPATH="$TREE/src:$WORK/block"
+export PYTHONPATH="$TREE/src:$WORK/block:$PROJECT/tools"
 "$PY" -c "
 import lightning, torch
 assert lightning.__file__.startswith('$TREE/src/'), lightning.__file__
 print(f'patched lightning {lightning.__version__} from {lightning.__file__}, torch {torch.__version__}')
 "
 cd "$TREE/tests"
-"$PY" -m pytest -p no:cacheprovider -q --color=no -o addopts="" \
+# ranks from a fork server with torch and Lightning imported, instead of a fresh interpreter each (the plugin says why)
+"$PY" -m pytest -p no:cacheprovider -p pytest_forkserver_ranks -q --color=no -o addopts="" \
     tests_fabric/strategies/test_fsdp.py tests_fabric/strategies/test_model_parallel.py \
     tests_fabric/utilities/test_load.py tests_fabric/utilities/test_imports.py tests_fabric/test_connector.py
 echo "patched-upstream check took $(($(date +%s) - started)) s"

@@ -4,6 +4,7 @@ import errno
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -39,9 +40,15 @@ def _setup(width: int, background: bool = False) -> tuple[Fabric, nn.Module, tor
 def _save_with_fault(path: str, fault: str, width: int, background: bool = False) -> str:
     fabric, model, optimizer = _setup(width, background)
     real_pwrite = os.pwrite
+    store = torch.distributed.distributed_c10d._get_default_store()
 
     def failing_pwrite(fd: int, data: bytes, offset: int) -> int:
         if fault == "kill":
+            if background:
+                # die once every rank has returned from the call (Fabric's save ends with a barrier, which a rank
+                # killed earlier fails): the error must come at the wait, with no collective in between
+                while store.add("returned", 0) < fabric.world_size:
+                    time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
@@ -49,6 +56,7 @@ def _save_with_fault(path: str, fault: str, width: int, background: bool = False
     with mock.patch("os.pwrite", failing_pwrite if faulty else real_pwrite):
         try:
             fabric.save(path, {"model": model, "optimizer": optimizer})
+            store.add("returned", 1)
             if background:
                 # the call returned before the write, and the error comes at the wait. Training goes on meanwhile,
                 # except after a kill: a step's collectives would fail on the dead rank first, as they do in a run
@@ -59,6 +67,8 @@ def _save_with_fault(path: str, fault: str, width: int, background: bool = False
             if fault == "kill":
                 Path(f"{path}.error-{fabric.global_rank}").write_text(str(error))
             return str(error)
+    if fault == "kill":  # said in the test's failure: this rank's save did not raise
+        Path(f"{path}.error-{fabric.global_rank}").write_text("(the save did not raise)")
     return ""
 
 
