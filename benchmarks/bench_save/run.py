@@ -319,6 +319,8 @@ def _run_case(cfg: dict[str, Any], worker: Any = None) -> list[dict[str, Any]]:
     """Run ``worker(cfg, rank, port, results)`` (default: this benchmark's) on fresh rank processes; their results."""
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
+    # every case starts with no dirty pages of the case before it being written back meanwhile (each writes 3.2 GB)
+    os.sync()
     context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     port = find_free_network_port()
