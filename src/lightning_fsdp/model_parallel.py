@@ -271,7 +271,7 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
                 raise
 
     def wait_for_save(self) -> None:
-        """Wait for the full checkpoint saved in the background, if any; see :class:`lightning_fsdp.FSDPStrategy`."""
+        """Wait for the checkpoint saved in the background, if any; see :class:`lightning_fsdp.FSDPStrategy`."""
         wait_for_save(self)
 
     @override

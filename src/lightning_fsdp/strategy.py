@@ -89,7 +89,7 @@ class FSDPStrategy(_CoreFSDPStrategy):
             environment variable ``LIGHTNING_FSDP_PROGRESS=0`` turns it off too.
         save_in_background: Write checkpoints in the background: ``fabric.save`` returns once every rank holds a
             copy of its slices, and the file appears when every rank has written it (a sharded checkpoint: torch's
-            asynchronous distributed checkpoint writes the directory). The next save, a load and
+            distributed checkpoint writes the directory, in the strategy's thread). The next save, a load and
             :meth:`wait_for_save` wait for it and raise its error (see :mod:`lightning_fsdp.saving.background`).
 
     """
@@ -332,7 +332,7 @@ class FSDPStrategy(_CoreFSDPStrategy):
                 raise
 
     def wait_for_save(self) -> None:
-        """Wait for the full checkpoint being saved in the background, if any (``save_in_background=True``).
+        """Wait for the checkpoint being saved in the background, if any (``save_in_background=True``).
 
         Raises:
             CheckpointSaveError: On every rank, if that save failed: no file replaced the one at its path.

@@ -286,7 +286,7 @@ class FSDPStrategy(_FSDPStrategy):
         return load_weights(self, path, self.model, strict, weights_only, "FSDPStrategy", sharded_module_key="model")
 
     def wait_for_save(self) -> None:
-        """Wait for the full checkpoint saved in the background, if any; raise its error on every rank if it failed."""
+        """Wait for the checkpoint saved in the background, if any; raise its error on every rank if it failed."""
         wait_for_save(self)
 
     @override

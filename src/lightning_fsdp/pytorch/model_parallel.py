@@ -153,7 +153,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         )
 
     def wait_for_save(self) -> None:
-        """Wait for the full checkpoint saved in the background, if any; raise its error on every rank if it failed."""
+        """Wait for the checkpoint saved in the background, if any; raise its error on every rank if it failed."""
         wait_for_save(self)
 
     @override

@@ -1,4 +1,4 @@
-"""Full checkpoints saved in the background: the save returns once every rank holds its own copy of its slices.
+"""Checkpoints saved in the background: the save returns once every rank holds its own copy of its slices.
 
 A strategy made with ``save_in_background=True`` hands the rest of each gather-free full save (the positioned writes,
 ``fsync``, the ranks' agreement and the rename; :func:`lightning_fsdp.saving.consolidated.save` with ``hand_off``) to
@@ -12,6 +12,10 @@ and prints its error if it failed and nobody waited for it.
 Host memory: one copy of what the rank writes (its slices of the model and of the optimizer state), in buffers that
 the next save reuses. The background thread meets the other ranks on the process group's store, never in a
 collective, so it does not interleave with the training loop's collectives.
+
+The export of the weights (:func:`lightning_fsdp.saving.save_safetensors`) hands off the same way. A sharded
+checkpoint (:func:`sharded_saves_in_background`) is copied with torch's staging utilities into buffers of its own,
+and torch's distributed checkpoint ``save`` writes it in the same thread, on a gloo group of its own.
 
 Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
@@ -96,8 +100,8 @@ class BackgroundSaves:
     def process_group(self) -> Any:
         """A gloo group of all ranks for the background writes of sharded checkpoints (created once, on every rank).
 
-        torch's asynchronous distributed checkpoint runs its collectives in the thread that writes: on a group of
-        their own, they never interleave with the training loop's collectives on the default group.
+        torch's distributed checkpoint ``save`` runs its collectives in the thread that writes: on a group of their
+        own, they never interleave with the training loop's collectives on the default group.
 
         """
         if self._group is None:
