@@ -9,9 +9,10 @@ same; what differs is how a rank process starts (``spawn`` also restores a few g
 sharing CPU tensors of the arguments, neither of which these tests rely on). The server never runs a torch op, so a
 rank forked from it has no OpenMP threads that a fork would leave dead.
 
-Used by tools/test_patched_upstream.sh and tools/test_core_on_sdist.sh (``-p pytest_forkserver_ranks``, with
-``tools/`` on ``PYTHONPATH``). It imports nothing of this project. Measured on 2026-12-04 (2 cores, nothing else
-running): the three checks took 64 s together, 247 s with ``spawn``; the same tests passed.
+Used by tools/test_patched_upstream.sh, tools/test_core_on_sdist.sh and tools/test_series.py
+(``-p pytest_forkserver_ranks``, with ``tools/`` on ``PYTHONPATH``). It imports nothing of this project. Measured on
+2026-12-04 (2 cores, nothing else running): the three checks took 64 s together, 247 s with ``spawn``; the same tests
+passed.
 """
 
 import multiprocessing

@@ -117,6 +117,8 @@ def pytest(tree: Path, env: dict, extra: list[str]) -> dict[str, list[str]]:
     """
     files = [f for f in LIGHTNING_TESTS if (tree / "tests" / f).is_file()]
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-o", "addopts=", "--color=no", *extra]
+    # ranks from a fork server with torch and Lightning imported (tools/pytest_forkserver_ranks.py says why)
+    command += ["-p", "pytest_forkserver_ranks"]
     # the ids that `--deselect` takes are relative to the rootdir; a test that hangs (ranks waiting for each other)
     # ends its pytest after 5 minutes and counts as crashed
     command += ["--rootdir", str(tree), "--timeout", "300", "--timeout-method", "thread"]
@@ -186,7 +188,8 @@ def main() -> int:
     block = work / "block" / "lightning_fsdp"
     block.mkdir(parents=True)
     (block / "__init__.py").write_text('raise ImportError("the series must not import lightning_fsdp")\n')
-    env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{block.parent}"}
+    tools = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(block.parent), str(tools)])}
     extra = ["-k", args.k] if args.k else []
     rows, baseline, failures = [], set(), []
     try:
