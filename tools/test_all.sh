@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}
 WORKERS=${2:-2}
 started=$(date +%s)
-"$PY" -m pytest tests -q -n "$WORKERS" --dist worksteal --ignore=tests/tests_fabric/core
+# the 25 slowest tests at the end: where the next cut of the suite's time is
+"$PY" -m pytest tests -q -n "$WORKERS" --dist worksteal --ignore=tests/tests_fabric/core --durations=25
 suite=$?
 suite_seconds=$(($(date +%s) - started))
 bash tools/test_upstream_checks.sh "$PY"
