@@ -78,11 +78,7 @@ def save_full_checkpoint(
         optimizer_list=optimizer_list,
         index_keys=index_keys,
     )
-    hand_off = None
-    if background is not None:
-        request.snapshot = background.snapshot
-        hand_off = partial(background.start, what=repr(str(path)))
-    reason = save(request, _converted, hand_off)
+    reason = save(request, _converted, _hand_off(background, request))
     if reason is not None:
         _warn_fallback(reason)
         return False
@@ -177,16 +173,20 @@ def save_safetensors(fabric: Any, path: Any, model: Module, max_shard_size: int 
         safetensors=True,
         max_shard_size=shard_size,
     )
-    hand_off = None
-    if background is not None:
-        request.snapshot = background.snapshot
-        hand_off = partial(background.start, what=repr(str(path)))
     try:
-        reason = save(request, _converted, hand_off)
+        reason = save(request, _converted, _hand_off(background, request))
     except SaveUnsupported as error:  # raised by the header on every rank alike
         reason = str(error)
     if reason is not None:
         raise CheckpointSaveError(f"`save_safetensors` cannot write {str(path)!r}: {reason}.")
+
+
+def _hand_off(background: BackgroundSaves | None, request: SaveRequest) -> Callable[[Callable[[], None]], None] | None:
+    """Where ``request``'s save hands the rest of its work (lent the background's host buffers), or ``None``."""
+    if background is None:
+        return None
+    request.snapshot = background.snapshot
+    return partial(background.start, what=repr(str(request.path)))
 
 
 def _converted(obj: Any) -> Any:
