@@ -17,7 +17,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -208,12 +208,8 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
                         self, path, state, filter, modules[0], fsdp2=True, background=self._background_saves
                     ):
                         return
-        background = nullcontext()
-        if self._save_distributed_checkpoint and self._background_saves is not None:
-            background = sharded_saves_in_background(
-                self._background_saves, "lightning.fabric.strategies.model_parallel"
-            )
-        with background:
+        saves = self._background_saves if self._save_distributed_checkpoint else None
+        with sharded_saves_in_background(saves, "lightning.fabric.strategies.model_parallel"):
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override

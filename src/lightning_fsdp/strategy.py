@@ -17,7 +17,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -245,10 +245,11 @@ class FSDPStrategy(_CoreFSDPStrategy):
                 ):
                     return None
         if self._state_dict_type != "full" or not self._set_up_on_cpu():
-            background = nullcontext()
-            if self._state_dict_type == "sharded" and self._background_saves is not None:
-                background = sharded_saves_in_background(self._background_saves, "lightning.fabric.strategies.fsdp")
-            with torch_internal_warnings_silenced(), background:
+            saves = self._background_saves if self._state_dict_type == "sharded" else None
+            with (
+                torch_internal_warnings_silenced(),
+                sharded_saves_in_background(saves, "lightning.fabric.strategies.fsdp"),
+            ):
                 return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
         if storage_options is not None:
             raise TypeError(

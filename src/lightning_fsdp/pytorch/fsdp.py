@@ -17,7 +17,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -206,10 +206,11 @@ class FSDPStrategy(_FSDPStrategy):
         ):
             return
         fill_gathered(checkpoint, self._gathered_module_state, self._gathered_optimizer_state)
-        background = nullcontext()
-        if self._state_dict_type == "sharded" and self._background_saves is not None:
-            background = sharded_saves_in_background(self._background_saves, "lightning.pytorch.strategies.fsdp")
-        with torch_internal_warnings_silenced(), background:
+        saves = self._background_saves if self._state_dict_type == "sharded" else None
+        with (
+            torch_internal_warnings_silenced(),
+            sharded_saves_in_background(saves, "lightning.pytorch.strategies.fsdp"),
+        ):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _saves_without_gather(self) -> bool:

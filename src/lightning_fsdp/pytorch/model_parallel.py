@@ -16,7 +16,7 @@
 Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -112,12 +112,8 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         ):
             return
         fill_gathered(checkpoint, super().lightning_module_state_dict, super().optimizer_state)
-        background = nullcontext()
-        if self._save_distributed_checkpoint and self._background_saves is not None:
-            background = sharded_saves_in_background(
-                self._background_saves, "lightning.pytorch.strategies.model_parallel"
-            )
-        with background:
+        saves = self._background_saves if self._save_distributed_checkpoint else None
+        with sharded_saves_in_background(saves, "lightning.pytorch.strategies.model_parallel"):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _saves_without_gather(self) -> bool:

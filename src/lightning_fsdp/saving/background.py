@@ -110,7 +110,7 @@ class BackgroundSaves:
 
 
 @contextmanager
-def sharded_saves_in_background(saves: BackgroundSaves, strategy_module: str) -> Iterator[None]:
+def sharded_saves_in_background(saves: BackgroundSaves | None, strategy_module: str) -> Iterator[None]:
     """Within it, the sharded save of Lightning's ``strategy_module`` writes in the background.
 
     The call copies every rank's shards (``ShardedTensor`` or ``DTensor`` local shards, and the other tensors) into
@@ -120,6 +120,9 @@ def sharded_saves_in_background(saves: BackgroundSaves, strategy_module: str) ->
     checkpoint's other entries (``meta.pt``) in the call, as before.
 
     """
+    if saves is None:  # not made with `save_in_background=True`, or not a sharded save: Lightning's, in the call
+        yield
+        return
     from torch.distributed.checkpoint import save
 
     def save_in_background(converted_state: dict[str, Any], path: Path) -> None:
