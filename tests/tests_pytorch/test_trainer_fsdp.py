@@ -11,6 +11,7 @@ states), which the tests compare bit for bit with the checkpoint and with Lightn
 """
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -27,8 +28,10 @@ from lightning.pytorch.strategies import FSDPStrategy as UpstreamFSDPStrategy
 
 import lightning_fsdp
 from lightning_fsdp.pytorch import FSDPStrategy, LoadWeights, ModelParallelStrategy
+from tests.tests_fabric.helpers.checkpoints import _write_hf_sharded
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.env import without_launcher_variables
+from tests.tests_fabric.helpers.object_store import ObjectStore, object_store  # noqa: F401 (the fixture)
 from tests.tests_fabric.helpers.state import assert_identical
 
 _WORKER = Path(__file__).parent / "scripts" / "trainer_worker.py"
@@ -263,6 +266,36 @@ def test_load_weights_from_elsewhere(trainer_checkpoint, tmp_path):
         loaded = _load(report)
         assert loaded["global_step"] == 0
         _assert_same_model(loaded["state_dict"], weights)
+
+
+def test_load_weights_from_a_hugging_face_checkpoint_in_object_storage(
+    trainer_checkpoint,
+    object_store: ObjectStore,  # noqa: F811
+    tmp_path,
+):
+    """`LoadWeights` of a Hugging Face checkpoint (an index and two safetensors shards) in S3, whose names a rename
+    maps to the model's: every rank reads its slices from the store, and the weights are the file's."""
+    weights = _load(trainer_checkpoint)["state_dict"]
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    index = _write_hf_sharded({f"transformer.{name}": tensor for name, tensor in weights.items()}, folder, binary=False)
+    url = f"{object_store.upload(folder, 'trainer-hf')}/{index.name}"
+    options = {"rename": {"transformer.": ""}, "storage_options": object_store.storage_options()}
+    report = tmp_path / "report.pt"
+    _run("weights", f"--ckpt={url}", f"--load-options={json.dumps(options)}", "--steps=1", f"--report={report}")
+    _assert_same_model(_load(report)["state_dict"], weights)
+
+
+def test_load_weights_of_a_truncated_file_is_one_error_on_every_rank(trainer_checkpoint, tmp_path):
+    """A truncated file: the run stops on every rank with the error that names the file and what is wrong with it."""
+    torch.save(_load(trainer_checkpoint)["state_dict"], tmp_path / "raw.pth")
+    data = (tmp_path / "raw.pth").read_bytes()
+    (tmp_path / "raw.pth").write_bytes(data[: len(data) // 2])
+    output = _run("weights", f"--ckpt={tmp_path / 'raw.pth'}", "--steps=1", expect_failure=True)
+    assert output.count("CheckpointLoadError") >= 2, output  # rank 0's error, and rank 1's line that names it
+    assert "failed on ranks 0-1" in output
+    assert "it is truncated" in output
+    assert "raw.pth" in output
 
 
 def test_resume_from_weights_alone_names_the_callback(trainer_checkpoint, tmp_path):

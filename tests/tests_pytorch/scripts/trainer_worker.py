@@ -8,10 +8,11 @@ The Trainer starts the other ranks by running this script again (its subprocess 
   trains after the restore; rank 0 writes what the strategy holds then (the model's and optimizer's full states, in
   the format the Trainer saves them, and the global step) to ``--report``. ``--loader upstream`` restores with
   Lightning's own ``FSDPStrategy.load_checkpoint`` instead, for comparison;
-- ``weights``: fit zero steps with ``LoadWeights(--ckpt)`` and report the model's state.
+- ``weights``: fit zero steps with ``LoadWeights(--ckpt, **--load-options)`` and report the model's state.
 """
 
 import argparse
+import json
 import sys
 
 import lightning.pytorch as pl
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--strategy", choices=["fsdp", "model_parallel"], default="fsdp")
     parser.add_argument("--gathered", help="also save the checkpoint with upstream's gather, to this path")
     parser.add_argument("--background", action="store_true", help="save_in_background=True")
+    parser.add_argument("--load-options", default="{}", help="LoadWeights' keyword arguments, as JSON")
     args = parser.parse_args()
 
     model_class = Model
@@ -131,7 +133,7 @@ def main() -> None:
         strategy = (UpstreamLoading if args.loader == "upstream" else FSDPStrategy)(**kwargs)
     callbacks = [Report(args.report, at_end=args.mode == "save")] if args.report else []
     if args.mode == "weights":
-        callbacks.insert(0, LoadWeights(args.ckpt))
+        callbacks.insert(0, LoadWeights(args.ckpt, **json.loads(args.load_options)))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
