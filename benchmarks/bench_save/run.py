@@ -175,7 +175,7 @@ class _Phases:
         self._patches.append(mock.patch.object(owner, attribute, timed))
 
     def __enter__(self) -> _Phases:
-        from lightning_fsdp.loading.agreement import Agreement
+        from lightning_fsdp.distributed.agreement import Agreement
         from lightning_fsdp.saving import consolidated
         from lightning_fsdp.saving.crc import SparseCrc
 

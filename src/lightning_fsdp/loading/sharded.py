@@ -56,6 +56,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp.layouts.fsdp2 import has_dtensor_params
 from lightning_fsdp.loading.errors import (
     CheckpointLoadError,
     printable,
@@ -78,7 +79,6 @@ from lightning_fsdp.loading.formats import (
     read_safetensors_shards,
     safetensors_shards_specs,
 )
-from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line

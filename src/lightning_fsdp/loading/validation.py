@@ -19,6 +19,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 
+from lightning_fsdp.layouts.targets import TargetSpec, clean_name
 from lightning_fsdp.loading.errors import SHOWN_NAMES, CheckpointLoadError, quoted_names, shown_items
 from lightning_fsdp.loading.sources import TensorSpec
 
@@ -34,15 +35,6 @@ _RENAME_USAGE = (
     "(`rename` is an option of the loader: with Fabric, call `fabric.load` or `fabric.load_raw` inside"
     " `with fabric.strategy.load_options(rename=...):`)"
 )
-
-
-@dataclass(frozen=True)
-class TargetSpec:
-    """A tensor the model expects: its names (the first is the one it is stored under; the rest are tied aliases)."""
-
-    names: tuple[str, ...]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -329,7 +321,6 @@ def _outer_unit_tensors(module: Module) -> list[tuple[str, str | None]]:
     except ImportError:  # pragma: no cover (a torch release without FSDP1)
         return []
     from lightning_fsdp.core.fsdp import _join as join
-    from lightning_fsdp.loading.shard_local import clean_name  # imported here: it imports this module
 
     inner_flat: set[int] = set()
     inner_params: set[int] = set()

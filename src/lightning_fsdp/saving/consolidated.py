@@ -1,8 +1,8 @@
 """A full (consolidated) checkpoint written by every rank: each writes its own slices into one ``torch.save`` file.
 
 Every rank plans the same archive (:mod:`.archive`) from metadata alone: the names, shapes and dtypes of the model's
-tensors (the loading side's layout seam, :func:`~lightning_fsdp.loading.shard_local.collect_targets` for FSDP1 and
-:func:`~lightning_fsdp.loading.fsdp2_layout.collect_dtensor_targets` for FSDP2 and tensor parallelism, says which
+tensors (the loading side's layout seam, :func:`~lightning_fsdp.layouts.fsdp1.collect_targets` for FSDP1 and
+:func:`~lightning_fsdp.layouts.fsdp2.collect_dtensor_targets` for FSDP2 and tensor parallelism, says which
 ranges of which full tensor each rank holds) and of the optimizer states, which the ranks exchange once through the
 process group's store (per parameter: the state's keys, the dtypes of the per-element states, and the small values
 such as ``step``). The big storages come first in the file, at offsets that depend only on their sizes; each rank
@@ -13,8 +13,8 @@ never moves between ranks.
 
 The file appears under its name only when every rank has succeeded: it is written as a temporary file in the same
 directory, each rank flushes it to disk (``fsync``), the ranks agree on the process group's store
-(:class:`~lightning_fsdp.loading.agreement.Agreement`: a rank that fails or dies is noticed by the others), and rank 0
-renames it. On any failure every rank raises the same :class:`CheckpointSaveError`, the temporary file is removed and
+(:class:`~lightning_fsdp.distributed.agreement.Agreement`: a rank that fails or dies is noticed by the others), and rank
+0 renames it. On any failure every rank raises the same :class:`CheckpointSaveError`, the temporary file is removed and
 an earlier file at the path is left as it was.
 
 Host memory per rank: its shard (already there) plus, for tensors on an accelerator, one staging buffer of at most
@@ -44,9 +44,9 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.agreement import Agreement
+from lightning_fsdp.distributed.agreement import Agreement
+from lightning_fsdp.layouts.targets import ModuleTargets, Run, ShardLocalUnsupported, Target, clean_name
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.shard_local import ModuleTargets, Run, ShardLocalUnsupported, Target, clean_name
 from lightning_fsdp.saving import archive, export
 from lightning_fsdp.saving.crc import SparseCrc, combine_sparse
 
@@ -124,10 +124,10 @@ class _Plan:
 
 def _collect(module: Module, fsdp2: bool) -> ModuleTargets:
     if fsdp2:
-        from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets
+        from lightning_fsdp.layouts.fsdp2 import collect_dtensor_targets
 
         return collect_dtensor_targets(module)
-    from lightning_fsdp.loading.shard_local import collect_targets
+    from lightning_fsdp.layouts.fsdp1 import collect_targets
 
     return collect_targets(module)
 

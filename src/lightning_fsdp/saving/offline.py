@@ -42,8 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fsdp.distributed.memory import return_freed_memory
 from lightning_fsdp.loading.errors import CheckpointLoadError, quoted_names
-from lightning_fsdp.loading.memory import return_freed_memory
 from lightning_fsdp.saving import archive
 from lightning_fsdp.saving.consolidated import _fsync_directory, _pwrite_all, temporary_path
 
