@@ -24,7 +24,8 @@ from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathErr
 from lightning_fsdp.loading.files import CheckpointPath, StoragePath
 from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
-from lightning_fsdp.loading.remote import RemoteTimeouts, is_remote, remote_path
+from lightning_fsdp.loading.remote import is_remote, remote_path
+from lightning_fsdp.loading.remote_requests import RemoteTimeouts
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
 

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from lightning_fsdp import CheckpointLoadError
-from lightning_fsdp.loading import remote
+from lightning_fsdp.loading import remote, remote_requests
 from lightning_fsdp.loading.files import fetched_bytes
 from lightning_fsdp.loading.remote import RemoteFile, remote_path
 from lightning_fsdp.loading.sharded import CheckedFileSystemReader, read_checked_metadata, read_dcp_metadata
@@ -126,7 +126,7 @@ def test_large_ranges_are_fetched_concurrently_with_bounded_bytes_in_flight(monk
     """Two readers of large ranges: their chunks are fetched concurrently, the bytes land where they belong, and the
     response bodies held at once (from the request until the body is dropped after its copy) never exceed
     `MAX_IN_FLIGHT_BYTES`, whatever the number of chunks and readers."""
-    data = os.urandom(3 * remote.MAX_IN_FLIGHT_BYTES + 5)
+    data = os.urandom(3 * remote_requests.MAX_IN_FLIGHT_BYTES + 5)
     fs = fsspec.filesystem("memory")
     fs.pipe("/remote-tests/large.bin", data)
     path = remote_path("memory://remote-tests/large.bin")
@@ -160,7 +160,7 @@ def test_large_ranges_are_fetched_concurrently_with_bounded_bytes_in_flight(monk
         for reader in readers:
             reader.join()
         assert bytes(destinations[0]) + bytes(destinations[1]) == data
-        assert remote.CHUNK_BYTES < peak[0] <= remote.MAX_IN_FLIGHT_BYTES
+        assert remote.CHUNK_BYTES < peak[0] <= remote_requests.MAX_IN_FLIGHT_BYTES
         assert held[0] == 0
     finally:
         fs.rm("/remote-tests", recursive=True)
