@@ -220,9 +220,9 @@ def _load_file(
 
 def _load_sharded(detected: DetectedCheckpoint, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
     # Imported here: torch's distributed checkpoint package cannot be imported where `torch.distributed` is unavailable.
-    from lightning_fsdp.loading.sharded import (
+    from lightning_fsdp.loading.sharded import load_sharded_checkpoint
+    from lightning_fsdp.loading.sharded_metadata import (
         check_sharded_request,
-        load_sharded_checkpoint,
         module_entry,
         read_checked_metadata,
         read_safetensors_shards_metadata,

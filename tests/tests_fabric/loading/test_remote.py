@@ -15,7 +15,8 @@ from lightning_fsdp import CheckpointLoadError
 from lightning_fsdp.loading import remote, remote_requests
 from lightning_fsdp.loading.files import fetched_bytes
 from lightning_fsdp.loading.remote import RemoteFile, remote_path
-from lightning_fsdp.loading.sharded import CheckedFileSystemReader, read_checked_metadata, read_dcp_metadata
+from lightning_fsdp.loading.sharded_metadata import read_checked_metadata, read_dcp_metadata
+from lightning_fsdp.loading.sharded_readers import CheckedFileSystemReader
 from tests.tests_fabric.helpers.checkpoints import MarkerPayload
 
 # The sharded checkpoints here are saved and read by one process, without a process group, as DCP allows.
@@ -87,7 +88,8 @@ def test_safetensors_slices_are_fetched_exactly(tmp_path):
     """Safetensors slices (torch's `HuggingFaceStorageWriter` layout) in object storage: detected from the headers, and
     each slice that the plan reads fetched by its exact byte range."""
     from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint
-    from lightning_fsdp.loading.sharded import SafetensorsSlicesReader, read_safetensors_shards_metadata
+    from lightning_fsdp.loading.sharded_metadata import read_safetensors_shards_metadata
+    from lightning_fsdp.loading.sharded_readers import SafetensorsSlicesReader
     from tests.tests_fabric.loading.test_safetensors_slices import _full_state, _write_slices
 
     _write_slices(tmp_path / "slices", [(0, 4), (4, 7)])
