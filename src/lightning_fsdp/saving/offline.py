@@ -45,7 +45,8 @@ from torch import Tensor
 from lightning_fsdp.distributed.memory import return_freed_memory
 from lightning_fsdp.loading.errors import CheckpointLoadError, quoted_names
 from lightning_fsdp.saving import archive
-from lightning_fsdp.saving.consolidated import _fsync_directory, _pwrite_all, temporary_path
+from lightning_fsdp.saving.consolidated import temporary_path
+from lightning_fsdp.saving.consolidated_write import _fsync_directory, _pwrite_all
 
 
 @dataclass
