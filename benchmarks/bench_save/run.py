@@ -175,19 +175,21 @@ class _Phases:
         self._patches.append(mock.patch.object(owner, attribute, timed))
 
     def __enter__(self) -> _Phases:
-        from lightning_fsdp.loading.agreement import Agreement
-        from lightning_fsdp.saving import consolidated
+        from lightning_fsdp.distributed.agreement import Agreement
+        from lightning_fsdp.saving import consolidated, consolidated_write
         from lightning_fsdp.saving.crc import SparseCrc
 
+        # each function where the save calls it from (the steps in `consolidated`, the writes in `consolidated_write`)
         self.wrap(consolidated, "_plan", "plan")
         self.wrap(consolidated, "_merge", "plan")
         self.wrap(consolidated, "_local_writes", "plan")
         self.wrap(consolidated, "_skeleton_state", "pickle and zip directory")
         self.wrap(consolidated, "_finish", "pickle and zip directory")
-        self.wrap(consolidated, "_pwrite_all", "write")
+        for module in (consolidated, consolidated_write):
+            self.wrap(module, "_pwrite_all", "write")
+            self.wrap(module, "_fsync_directory", "fsync")
         self.wrap(SparseCrc, "add", "crc")
         self.wrap(consolidated.os, "fsync", "fsync")
-        self.wrap(consolidated, "_fsync_directory", "fsync")
         for method in ("agree", "any_rank", "__enter__", "__exit__"):
             self.wrap(Agreement, method, "agreement (waits for the other ranks)")
         self.wrap(consolidated, "_exchange", "agreement (waits for the other ranks)")

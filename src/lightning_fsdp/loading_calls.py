@@ -19,12 +19,13 @@ from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.agreement import new_namespace
+from lightning_fsdp.distributed.agreement import new_namespace
 from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError, unexpected_cause
 from lightning_fsdp.loading.files import CheckpointPath, StoragePath
 from lightning_fsdp.loading.formats import detect_checkpoint
 from lightning_fsdp.loading.loader import LoadOptions, LoadRequest, LoadResult, RankInfo, load
-from lightning_fsdp.loading.remote import RemoteTimeouts, is_remote, remote_path
+from lightning_fsdp.loading.remote import is_remote, remote_path
+from lightning_fsdp.loading.remote_requests import RemoteTimeouts
 from lightning_fsdp.loading.turns import validate_concurrency
 from lightning_fsdp.loading.validation import Rename, check_rename
 
@@ -97,7 +98,7 @@ def broadcast_load_path(strategy: LoadingStrategy, path: _PATH) -> tuple[Checkpo
     """Rank 0's ``path``, and a namespace new to this load for its agreements: the path broadcast carries both.
 
     Every rank runs this collective before the load, so every rank meets the others under the same namespace, whatever
-    it did or failed to do in an earlier load (see :class:`~lightning_fsdp.loading.agreement.Agreement`).
+    it did or failed to do in an earlier load (see :class:`~lightning_fsdp.distributed.agreement.Agreement`).
 
     """
     start = strategy.broadcast(_LoadStart(path, new_namespace()))

@@ -37,8 +37,8 @@ from lightning_fsdp.devices import (
     _check_placement,
     on_own_device,
 )
+from lightning_fsdp.layouts.fsdp2 import has_dtensor_params
 from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
-from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
 from lightning_fsdp.loading.materialize import (
     InitRecord,
     MetaMaterializer,

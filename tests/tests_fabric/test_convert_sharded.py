@@ -87,7 +87,7 @@ def _fsdp2(checkpoint_dir: str, layouts: list[str]) -> int:
         if fabric.global_rank == 0:
             if layout == "fsdp_tensor_parallel":
                 # a column split (RowwiseParallel's weight): assembled in one buffer, not streamed by rows
-                from lightning_fsdp.loading.sharded import read_dcp_metadata
+                from lightning_fsdp.loading.sharded_metadata import read_dcp_metadata
 
                 entry = read_dcp_metadata(Path(directory)).state_dict_metadata["model.blocks.0.fc_out.weight"]
                 assert any(chunk.offsets[1] != 0 for chunk in entry.chunks)
@@ -161,7 +161,7 @@ def test_consolidation_summary_counts_in_words(tmp_path: Path) -> None:
 
 def test_corrupt_entry_found_mid_write_leaves_no_file(tmp_path: Path) -> None:
     """The shards pass every check but one entry's bytes are not a tensor: found once the file is half written."""
-    from lightning_fsdp.loading.sharded import read_dcp_metadata
+    from lightning_fsdp.loading.sharded_metadata import read_dcp_metadata
 
     tensors = {f"layer{i}.weight": torch.randn(64, 32) for i in range(4)}
     sharded = _sharded_checkpoint(tmp_path, tensors, chunk_bytes=4096)

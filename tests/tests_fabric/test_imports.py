@@ -30,7 +30,8 @@ def test_import_with_torch_dist_unavailable():
 
         import lightning_fsdp
         from lightning_fsdp import FSDPStrategy, ModelParallelStrategy, disable, enable
-        from lightning_fsdp.loading import agreement, turns
+        from lightning_fsdp.distributed import agreement
+        from lightning_fsdp.loading import turns
 
         names = [getattr(lightning_fsdp, name) for name in lightning_fsdp.__all__]  # convert_checkpoint too
         enable()

@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_fsdp import CheckpointLoadError, FSDPStrategy, ModelParallelStrategy
 from lightning_fsdp.loading import progress as progress_module
-from lightning_fsdp.loading import remote
+from lightning_fsdp.loading import remote, remote_requests
 from lightning_fsdp.loading.files import fetched_bytes
 from lightning_fsdp.loading.progress import PROGRESS_ENV_VAR
 from lightning_fsdp.loading.sources import materialize
@@ -202,7 +202,7 @@ _CASES = {
 
 
 def _faults(proxy: str, options: dict, expected_path: str) -> dict[str, str]:
-    remote.FIRST_BACKOFF_S = 0.02  # the schedule's shape is what is tested, not its duration
+    remote_requests.FIRST_BACKOFF_S = 0.02  # the schedule's shape is what is tested, not its duration
     without_client_retries()
     fabric = _fabric("fsdp1")
     expected = torch.load(expected_path, weights_only=True)
@@ -329,7 +329,7 @@ _GAVE_UP = re.compile(
 
 
 def _lying_store(proxy: str, options: dict, expected_path: str, size: int) -> dict[str, Any]:
-    remote.FIRST_BACKOFF_S = 0.02
+    remote_requests.FIRST_BACKOFF_S = 0.02
     without_client_retries()
     fabric = _fabric("fsdp1")
     expected = torch.load(expected_path, weights_only=True)

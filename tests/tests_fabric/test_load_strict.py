@@ -152,8 +152,9 @@ def test_a_mistyped_name_is_advised_as_a_rename_that_loads_exactly(tmp_path):
 
 
 def _plan_error(targets: dict[str, tuple], checkpoint: dict[str, tuple], **kwargs) -> str:
+    from lightning_fsdp.layouts.targets import TargetSpec
     from lightning_fsdp.loading.sources import TensorSpec
-    from lightning_fsdp.loading.validation import TargetSpec, plan_load
+    from lightning_fsdp.loading.validation import plan_load
 
     with pytest.raises(CheckpointLoadError) as error:
         plan_load(

@@ -17,7 +17,7 @@ from lightning.fabric import Fabric
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_fsdp import FSDPStrategy
-from lightning_fsdp.loading.agreement import Agreement
+from lightning_fsdp.distributed.agreement import Agreement
 from tests.tests_fabric.helpers.checkpoints import write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, TinyTransformer, make_batch
@@ -96,8 +96,8 @@ def test_one_load_is_the_path_broadcast_and_three_agreements(tmp_path, fmt, stat
 def _load_with_one_rank_unable(path: str) -> list[str]:
     import warnings
 
+    from lightning_fsdp.layouts.targets import ShardLocalUnsupported
     from lightning_fsdp.loading import loader
-    from lightning_fsdp.loading.shard_local import ShardLocalUnsupported
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy=FSDPStrategy(auto_wrap_policy={Block}))
     fabric.launch()
@@ -166,7 +166,8 @@ def _load_and_check(fabric, model, optimizer, path: str, expected: dict, step: i
 
 def _a_failure_at_each_stage(directory: str) -> list[dict]:
     from lightning_fsdp import loading_calls
-    from lightning_fsdp.loading import agreement, loader
+    from lightning_fsdp.distributed import agreement
+    from lightning_fsdp.loading import loader
 
     strategy = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full", load_concurrency=1)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)

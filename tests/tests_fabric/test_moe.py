@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from lightning_fsdp import CheckpointLoadError, FSDPStrategy, ModelParallelStrategy
+from lightning_fsdp.layouts.targets import TargetSpec
 from lightning_fsdp.loading.conversions import ConvertedSource, build_composite, with_declared_conversions
 from lightning_fsdp.loading.formats import detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.sources import TensorSource, TensorSpec
-from lightning_fsdp.loading.validation import TargetSpec
 from tests.tests_fabric.helpers.distributed import run_distributed
 
 transformers = pytest.importorskip("transformers")

@@ -13,10 +13,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_fsdp import FSDPStrategy
+from lightning_fsdp.layouts.targets import TargetSpec
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import detect_checkpoint, open_checkpoint
 from lightning_fsdp.loading.sources import TensorSpec
-from lightning_fsdp.loading.validation import TargetSpec, check_rename, plan_load
+from lightning_fsdp.loading.validation import check_rename, plan_load
 from tests.tests_fabric.helpers.checkpoints import write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, TinyTransformer

@@ -23,7 +23,7 @@ _EARLIER = b"an earlier checkpoint"
 
 
 def _setup(width: int, background: bool = False) -> tuple[Fabric, nn.Module, torch.optim.Optimizer]:
-    from lightning_fsdp.loading import agreement
+    from lightning_fsdp.distributed import agreement
 
     agreement._UNRESPONSIVE_AFTER_S = 3.0  # a killed rank is named within seconds, inside the runner's grace period
     strategy = FSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type="full", save_in_background=background)

@@ -210,23 +210,24 @@ def test_failed_directory_export_leaves_the_earlier_directory(tmp_path: Path) ->
 
 @pytest.mark.parametrize("exchange", [True, False])
 def test_directory_replaced_in_one_step_or_by_two_renames(tmp_path: Path, exchange: bool) -> None:
-    from lightning_fsdp.saving import consolidated
+    from lightning_fsdp.saving import consolidated_write
 
     path, new = tmp_path / "exported", tmp_path / ".exported.1234.tmp"
     path.mkdir()
     (path / "earlier.txt").write_text("earlier")
     new.mkdir()
     (new / "model.safetensors").write_bytes(b"new")
-    with mock.patch.object(consolidated, "_swap", return_value=False) if not exchange else nullcontext():
-        consolidated._replace_directory(new, path)
+    with mock.patch.object(consolidated_write, "_swap", return_value=False) if not exchange else nullcontext():
+        consolidated_write._replace_directory(new, path)
     assert [p.name for p in path.iterdir()] == ["model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["exported"]
     # A failing second rename puts the earlier directory back
     new.mkdir()
     renames = [None, OSError(errno.EIO, "injected"), None]
-    with mock.patch.object(consolidated, "_swap", return_value=False), mock.patch("os.rename", side_effect=renames):
+    swap_unavailable = mock.patch.object(consolidated_write, "_swap", return_value=False)
+    with swap_unavailable, mock.patch("os.rename", side_effect=renames):
         with pytest.raises(OSError, match="injected"):
-            consolidated._replace_directory(new, path)
+            consolidated_write._replace_directory(new, path)
         assert [call.args for call in os.rename.call_args_list] == [
             (path, path.with_name(".exported.1234.old")),
             (new, path),

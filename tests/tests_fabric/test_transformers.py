@@ -14,9 +14,10 @@ from lightning.fabric import Fabric
 from torch import nn
 
 from lightning_fsdp import CheckpointLoadError, FSDPStrategy
+from lightning_fsdp.layouts.targets import TargetSpec
 from lightning_fsdp.loading.materialize import MetaMaterializer
 from lightning_fsdp.loading.sources import TensorSpec
-from lightning_fsdp.loading.validation import TargetSpec, plan_load
+from lightning_fsdp.loading.validation import plan_load
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import TableModel, UninitializableTable, tiny_llama_config
 

@@ -28,10 +28,10 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
+from lightning_fsdp.layouts.fsdp2 import index_runs
+from lightning_fsdp.layouts.targets import TargetSpec
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.fsdp2_layout import index_runs
 from lightning_fsdp.loading.sources import TensorSource, TensorSpec
-from lightning_fsdp.loading.validation import TargetSpec
 
 _SHOWN = 3
 

@@ -214,7 +214,7 @@ def _metadata_and_skipped(opened: OpenedCheckpoint) -> tuple[dict[str, Any], lis
 def _sharded_specs(path: Path, weights_only: bool) -> tuple[dict[str, TensorSpec], list[str]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_fsdp.loading.sharded import read_dcp_metadata, read_sharded_metadata
+    from lightning_fsdp.loading.sharded_metadata import read_dcp_metadata, read_sharded_metadata
 
     metadata = read_dcp_metadata(path, weights_only)
     specs = {

@@ -18,6 +18,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_fsdp.core.fsdp import _join as join
+from lightning_fsdp.layouts.fsdp1 import collect_targets
+from lightning_fsdp.layouts.fsdp2 import collect_dtensor_targets, has_dtensor_params
+from lightning_fsdp.layouts.optimizer import local_optimizer_state
+from lightning_fsdp.layouts.targets import ModuleTargets, ShardLocalUnsupported, TargetSpec, clean_name
 from lightning_fsdp.loading.conversions import with_declared_conversions
 from lightning_fsdp.loading.errors import CheckpointLoadError, described, quoted_names, unexpected_cause
 from lightning_fsdp.loading.formats import (
@@ -27,22 +31,14 @@ from lightning_fsdp.loading.formats import (
     detect_checkpoint,
     open_checkpoint,
 )
-from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets, has_dtensor_params
 from lightning_fsdp.loading.materialize import init_record
-from lightning_fsdp.loading.optimizer import local_optimizer_state
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
-from lightning_fsdp.loading.shard_local import (
-    ModuleTargets,
-    ShardLocalUnsupported,
-    clean_name,
-    collect_targets,
-    copy_into_module,
-)
+from lightning_fsdp.loading.shard_local import copy_into_module
 from lightning_fsdp.loading.sources import TensorSource, materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
-from lightning_fsdp.loading.validation import NamePlan, Rename, TargetSpec, check_whole_module, plan_load
+from lightning_fsdp.loading.validation import NamePlan, Rename, check_whole_module, plan_load
 
 
 @dataclass(frozen=True)
@@ -224,9 +220,9 @@ def _load_file(
 
 def _load_sharded(detected: DetectedCheckpoint, request: LoadRequest, stagger: StaggeredLoad) -> LoadResult:
     # Imported here: torch's distributed checkpoint package cannot be imported where `torch.distributed` is unavailable.
-    from lightning_fsdp.loading.sharded import (
+    from lightning_fsdp.loading.sharded import load_sharded_checkpoint
+    from lightning_fsdp.loading.sharded_metadata import (
         check_sharded_request,
-        load_sharded_checkpoint,
         module_entry,
         read_checked_metadata,
         read_safetensors_shards_metadata,

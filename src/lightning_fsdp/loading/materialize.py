@@ -43,8 +43,8 @@ from torch.nn import Embedding, Module, Parameter
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from lightning_fsdp.core.fsdp import _join as join
-from lightning_fsdp.loading.fsdp2_layout import ambiguous_strided_dim, local_indices
-from lightning_fsdp.loading.shard_local import clean_name
+from lightning_fsdp.layouts.fsdp2 import ambiguous_strided_dim, local_indices
+from lightning_fsdp.layouts.targets import clean_name
 
 _RECORD_ATTRIBUTE = "_meta_init_record"
 

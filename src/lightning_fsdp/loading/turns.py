@@ -4,9 +4,10 @@ A source that cannot be read lazily (a legacy pickle file, a state dict that has
 whole in host memory. If every rank of a node does that at once, the node holds one copy per rank. The turns here let
 at most ``k`` ranks of each node do it at the same time, in the order of their local ranks; nodes proceed in parallel.
 
-The schedule runs on the process group's key-value store, inside an :class:`~lightning_fsdp.loading.agreement.Agreement`
-that it waits through: no collective runs inside or between turns, so a rank may wait for its turn for hours without
-tripping the process-group timeout, and a rank that fails or dies is noticed by the others while they wait.
+The schedule runs on the process group's key-value store, inside an
+:class:`~lightning_fsdp.distributed.agreement.Agreement` that it waits through: no collective runs inside or between
+turns, so a rank may wait for its turn for hours without tripping the process-group timeout, and a rank that fails or
+dies is noticed by the others while they wait.
 
 Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
@@ -23,8 +24,8 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from lightning_fsdp.loading.agreement import Agreement
-from lightning_fsdp.loading.memory import available_memory, return_freed_memory
+from lightning_fsdp.distributed.agreement import Agreement
+from lightning_fsdp.distributed.memory import available_memory, return_freed_memory
 from lightning_fsdp.loading.progress import LoadProgress, NodeSnapshot
 
 #: The keys of a node's progress in the store, besides ``ranks`` (how many ranks have added their totals).
@@ -113,7 +114,7 @@ class StaggeredLoad:
     each other.
 
     How it stays clear of timeouts and hangs: turns and agreements run on the process group's key-value store,
-    polled every few milliseconds to 0.2 seconds (see :class:`~lightning_fsdp.loading.agreement.Agreement`). No
+    polled every few milliseconds to 0.2 seconds (see :class:`~lightning_fsdp.distributed.agreement.Agreement`). No
     collective runs inside a turn or while waiting for one, so waiting never trips the process-group timeout, however
     long the turns. Do not run a collective between a turn and the next agreement either: the ranks leave their turns
     at different times, and a collective would make the early ones wait under the timeout. A rank that fails
@@ -132,7 +133,7 @@ class StaggeredLoad:
         progress: A progress bar to feed with the node's totals and current turn, if any.
         description: What is being done, for error messages (``"Loading the checkpoint failed on rank 3: ..."``).
         namespace: Where this load's keys live in the store: the same on every rank and new for every load (see
-            :class:`~lightning_fsdp.loading.agreement.Agreement`). Required with several ranks.
+            :class:`~lightning_fsdp.distributed.agreement.Agreement`). Required with several ranks.
 
     Example::
 
@@ -252,7 +253,7 @@ class StaggeredLoad:
         """Wait for every rank, then return on all of them, or raise the same error on all of them.
 
         Call it outside turns, and before any collective that follows turns. See
-        :meth:`~lightning_fsdp.loading.agreement.Agreement.agree`.
+        :meth:`~lightning_fsdp.distributed.agreement.Agreement.agree`.
 
         Args:
             error: This rank's own failure, if it had one (an error that :meth:`turn` raised because another rank
@@ -269,7 +270,7 @@ class StaggeredLoad:
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank (an agreement: call it outside turns, on every rank at the same point).
 
-        See :meth:`~lightning_fsdp.loading.agreement.Agreement.any_rank`.
+        See :meth:`~lightning_fsdp.distributed.agreement.Agreement.any_rank`.
 
         """
         answer = self._agreement.any_rank(flag)

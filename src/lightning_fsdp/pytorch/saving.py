@@ -19,8 +19,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.layouts.targets import clean_name
 from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
-from lightning_fsdp.loading.shard_local import clean_name
 from lightning_fsdp.saving import save_full_checkpoint
 
 _MODEL_KEY = "state_dict"

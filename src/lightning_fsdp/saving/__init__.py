@@ -15,9 +15,10 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 
-from lightning_fsdp.loading.agreement import new_namespace
+from lightning_fsdp.distributed.agreement import new_namespace
 from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
-from lightning_fsdp.saving.consolidated import CheckpointSaveError, Ranks, SaveRequest, save
+from lightning_fsdp.saving.consolidated import CheckpointSaveError, SaveRequest, save
+from lightning_fsdp.saving.consolidated_plan import Ranks
 
 __all__ = ["CheckpointSaveError", "save_full_checkpoint", "save_safetensors"]
 
@@ -137,9 +138,9 @@ def save_safetensors(fabric: Any, path: Any, model: Module, max_shard_size: int 
             file system cannot serve this export (the message says why).
 
     """
-    from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
+    from lightning_fsdp.layouts.fsdp2 import has_dtensor_params
     from lightning_fsdp.saving import export
-    from lightning_fsdp.saving.consolidated import SaveUnsupported
+    from lightning_fsdp.saving.consolidated_plan import SaveUnsupported
 
     strategy = getattr(fabric, "strategy", fabric)
     module = getattr(model, "_forward_module", model)

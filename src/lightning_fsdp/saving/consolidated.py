@@ -1,37 +1,37 @@
 """A full (consolidated) checkpoint written by every rank: each writes its own slices into one ``torch.save`` file.
 
-Every rank plans the same archive (:mod:`.archive`) from metadata alone: the names, shapes and dtypes of the model's
-tensors (the loading side's layout seam, :func:`~lightning_fsdp.loading.shard_local.collect_targets` for FSDP1 and
-:func:`~lightning_fsdp.loading.fsdp2_layout.collect_dtensor_targets` for FSDP2 and tensor parallelism, says which
+Every rank plans the same archive (:mod:`lightning_fsdp.saving.archive`) from metadata alone: the names, shapes and
+dtypes of the model's tensors (the loading side's layout seam, :func:`~lightning_fsdp.layouts.fsdp1.collect_targets` for
+FSDP1 and :func:`~lightning_fsdp.layouts.fsdp2.collect_dtensor_targets` for FSDP2 and tensor parallelism, says which
 ranges of which full tensor each rank holds) and of the optimizer states, which the ranks exchange once through the
-process group's store (per parameter: the state's keys, the dtypes of the per-element states, and the small values
-such as ``step``). The big storages come first in the file, at offsets that depend only on their sizes; each rank
-writes the ranges it holds there with positioned writes (``os.pwrite``), straight from its shard's memory, and
-computes a partial CRC-32 (:mod:`.crc`). Rank 0 then writes every local header, the storages of small tensors (the
+process group's store (per parameter: the state's keys, the dtypes of the per-element states, and the small values such
+as ``step``). The big storages come first in the file, at offsets that depend only on their sizes; each rank writes the
+ranges it holds there with positioned writes (``os.pwrite``), straight from its shard's memory, and computes a partial
+CRC-32 (:mod:`lightning_fsdp.saving.crc`). Rank 0 then writes every local header, the storages of small tensors (the
 optimizer's ``step``, a tensor ``lr``, tensors of the other entries), the pickle and the zip directory. Tensor data
 never moves between ranks.
 
 The file appears under its name only when every rank has succeeded: it is written as a temporary file in the same
 directory, each rank flushes it to disk (``fsync``), the ranks agree on the process group's store
-(:class:`~lightning_fsdp.loading.agreement.Agreement`: a rank that fails or dies is noticed by the others), and rank 0
-renames it. On any failure every rank raises the same :class:`CheckpointSaveError`, the temporary file is removed and
+(:class:`~lightning_fsdp.distributed.agreement.Agreement`: a rank that fails or dies is noticed by the others), and rank
+0 renames it. On any failure every rank raises the same :class:`CheckpointSaveError`, the temporary file is removed and
 an earlier file at the path is left as it was.
 
 Host memory per rank: its shard (already there) plus, for tensors on an accelerator, one staging buffer of at most
-:data:`STAGING_BYTES`; rank 0 in addition holds the pickle and the small tensors.
+:data:`~lightning_fsdp.saving.consolidated_write.STAGING_BYTES`; rank 0 in addition holds the pickle and the small
+tensors.
+
+This module holds the save's steps, their agreements and what rank 0 pickles; the plan and the layout are in
+:mod:`lightning_fsdp.saving.consolidated_plan`, the writes in :mod:`lightning_fsdp.saving.consolidated_write`.
+
+Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
 from __future__ import annotations
 
 import copy
-import errno
-import hashlib
-import math
 import os
 import pickle
-import struct
-import sys
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import suppress
@@ -39,23 +39,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.agreement import Agreement
+from lightning_fsdp.distributed.agreement import Agreement
+from lightning_fsdp.layouts.targets import ShardLocalUnsupported
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.shard_local import ModuleTargets, Run, ShardLocalUnsupported, Target, clean_name
 from lightning_fsdp.saving import archive, export
-from lightning_fsdp.saving.crc import SparseCrc, combine_sparse
-
-#: Bytes of a tensor on an accelerator copied to host memory at a time before they are written.
-STAGING_BYTES = 64 * 2**20
-#: The most bytes one ``os.pwrite`` call is given (Linux writes at most about 2 GiB per call).
-_WRITE_BYTES = 1 << 30
-#: A state tensor that is not per element (``step``) is pickled by rank 0; larger ones are not served.
-_SMALL_STATE_NUMEL = 4096
+from lightning_fsdp.saving.consolidated_plan import (
+    Ranks,
+    SaveUnsupported,
+    _export_layout,
+    _Layout,
+    _local_writes,
+    _merge,
+    _Plan,
+    _plan,
+    _Report,
+)
+from lightning_fsdp.saving.consolidated_write import (
+    _finish,
+    _finish_export,
+    _fsync_directory,
+    _open_shared,
+    _preallocate,
+    _pwrite_all,
+    _replace_directory,
+    _snapshot,
+    _write_runs,
+)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -67,112 +80,6 @@ class CheckpointSaveError(RuntimeError):
 
     failed_ranks: tuple[int, ...] = ()
     cause: BaseException | None = None
-
-
-class SaveUnsupported(Exception):
-    """The gather-free save cannot serve this state; the message says why (the caller falls back to the gather)."""
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """A process's rank among ``world_size``."""
-
-    rank: int
-    world_size: int
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# What each rank holds
-
-
-@dataclass
-class _LocalWrite:
-    """Ranges of one storage record that this rank writes from ``flat`` (a 1-D view of its memory)."""
-
-    record: int
-    flat: Tensor
-    runs: list[Run]
-
-
-@dataclass
-class _ParamReport:
-    """One optimizer parameter's state on one rank: per key, ``("elem", dtype)`` or ``("value", object)``."""
-
-    keys: list[tuple[str, str, Any]]
-
-
-@dataclass
-class _Report:
-    """What a rank tells the others before anything is written."""
-
-    reason: str | None = None
-    optimizers: dict[str, dict[int, _ParamReport]] = field(default_factory=dict)
-    holdings: dict[str, tuple[int, str]] = field(default_factory=dict)
-    """Per record label: how many elements this rank holds, and a digest of which. Ranks that hold the same elements
-    (replicas: HSDP, replicated or unsharded tensors) write them once; every element must be written once."""
-
-
-@dataclass
-class _Plan:
-    """A rank's view of the save: the module's tensors, the optimizers' local states."""
-
-    collected: ModuleTargets
-    optimizers: dict[str, tuple[Optimizer, dict, list[Tensor]]]
-    entries: list[tuple[str, Target]]
-    """The model's state-dict entries in ``Module.state_dict`` order: ``(name, target)``."""
-
-
-def _collect(module: Module, fsdp2: bool) -> ModuleTargets:
-    if fsdp2:
-        from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets
-
-        return collect_dtensor_targets(module)
-    from lightning_fsdp.loading.shard_local import collect_targets
-
-    return collect_targets(module)
-
-
-def _holding(runs: list[Run]) -> tuple[int, str]:
-    digest = hashlib.blake2b(digest_size=16)
-    for run in sorted(runs, key=lambda run: run.start):
-        digest.update(struct.pack("<QQ", run.start, run.count))
-    return sum(run.count for run in runs), digest.hexdigest()
-
-
-def _model_runs(target: Target) -> list[Run]:
-    return [Run(0, target.local_numel, 0)] if target.tensor is not None else target.runs
-
-
-def _state_dict_order(module: Module, collected: ModuleTargets) -> list[tuple[str, Target]]:
-    """The entries of ``module.state_dict()``: every name of every target, in the order ``Module.state_dict`` gives.
-
-    ``Module.state_dict`` visits modules depth first, and in each module its own parameters, then its persistent
-    buffers. With FSDP1 the original parameters of a unit may not be registered on their modules any more
-    (``use_orig_params=False``), so the position of a name is found from its owning module's (cleaned) name and its
-    kind; within one module the layouts keep the parameters' registration order.
-    """
-    module_order: dict[str, int] = {}
-    for name, _ in module.named_modules(remove_duplicate=False):
-        module_order.setdefault(clean_name(name), len(module_order))
-    buffer_names = _persistent_buffer_names(module)
-    entries = []
-    for position, target in enumerate(collected.targets):
-        for alias, name in enumerate(target.names):
-            owner = name.rpartition(".")[0]
-            key = (module_order.get(owner, len(module_order)), name in buffer_names, position, alias)
-            entries.append((key, name, target))
-    entries.sort(key=lambda entry: entry[0])
-    return [(name, target) for _, name, target in entries]
-
-
-def _persistent_buffer_names(module: Module) -> set[str]:
-    """The (clean) names of the module's buffers that ``Module.state_dict`` holds."""
-    names: set[str] = set()
-    for name, submodule in module.named_modules(remove_duplicate=False):
-        for buffer_name, buffer in submodule._buffers.items():
-            if buffer is not None and buffer_name not in submodule._non_persistent_buffers_set:
-                names.add(clean_name(f"{name}.{buffer_name}" if name else buffer_name))
-    return names
 
 
 def _module_metadata(module: Module) -> OrderedDict:
@@ -187,313 +94,6 @@ def _module_metadata(module: Module) -> OrderedDict:
 
     visit(module, "")
     return metadata
-
-
-def _optimizer_params(optimizer: Optimizer) -> list[Tensor]:
-    return [param for group in optimizer.param_groups for param in group["params"]]
-
-
-def _local_state(optimizer: Optimizer) -> dict:
-    # The optimizer's own `state_dict` (references, no copies). Fabric's wrapper would ask the strategy, which gathers.
-    return Optimizer.state_dict(optimizer)
-
-
-def _plan(module: Module, optimizers: dict[str, Optimizer], fsdp2: bool, ranks: Ranks) -> tuple[_Plan, _Report]:
-    collected = _collect(module, fsdp2)
-    for target in collected.targets:
-        if not archive.storage_class_supported(target.dtype):
-            raise SaveUnsupported(f"the tensor {target.names[0]!r} has the dtype {target.dtype}")
-    report = _Report()
-    for target in collected.targets:
-        report.holdings[f"model/{target.names[0]}"] = _holding(_model_runs(target))
-    plan_optimizers = {}
-    for key, optimizer in optimizers.items():
-        params = _optimizer_params(optimizer)
-        local = _local_state(optimizer)
-        param_reports: dict[int, _ParamReport] = {}
-        for index, param in enumerate(params):
-            optimizer_param = collected.optimizer_params.get(id(param))
-            if optimizer_param is None:
-                raise SaveUnsupported(f"the optimizer {key!r} holds a parameter that is not part of the model")
-            state = local["state"].get(index)
-            if not state:
-                continue
-            keys = []
-            for state_key, value in state.items():
-                if isinstance(value, Tensor) and value.dim() > 0:
-                    flat = _local_flat(value)
-                    if flat is None or flat.numel() != optimizer_param.numel:
-                        raise SaveUnsupported(
-                            f"the optimizer state {state_key!r} of {optimizer_param.parts[0][0].names[0]!r} is neither"
-                            " a scalar nor shaped like its parameter's shard"
-                        )
-                    if not archive.storage_class_supported(flat.dtype):
-                        raise SaveUnsupported(f"the optimizer state {state_key!r} has the dtype {flat.dtype}")
-                    keys.append((state_key, "elem", flat.dtype))
-                    for target, runs in optimizer_param.parts:
-                        report.holdings[f"{key}/{target.names[0]}/{state_key}"] = _holding(runs)
-                elif isinstance(value, Tensor):
-                    if type(value) is not Tensor or value.numel() > _SMALL_STATE_NUMEL:
-                        raise SaveUnsupported(f"the optimizer state {state_key!r} is a {type(value).__name__}")
-                    keys.append((state_key, "value", value.detach().cpu().clone()))
-                else:
-                    keys.append((state_key, "value", value))
-            param_reports[index] = _ParamReport(keys)
-        report.optimizers[key] = param_reports
-        plan_optimizers[key] = (optimizer, local, params)
-    entries = _state_dict_order(module, collected)
-    return _Plan(collected, plan_optimizers, entries), report
-
-
-def _local_flat(value: Tensor) -> Tensor | None:
-    from torch.distributed.tensor import DTensor
-
-    local = value.to_local() if isinstance(value, DTensor) else value
-    return local.view(-1) if local.is_contiguous() else None
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The layout that every rank computes alike
-
-
-@dataclass
-class _Record:
-    label: str
-    dtype: torch.dtype
-    numel: int
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-@dataclass
-class _Layout:
-    records: list[_Record]
-    by_label: dict[str, int]
-    placed: list[archive.RecordLayout | None]
-    """Where each record's data goes (``None``: a record that a safetensors export does not store)."""
-    end: int
-    optimizer_states: dict[str, dict[int, list[tuple[str, str, Any]]]]
-    """Per optimizer and parameter index: the merged ``(key, kind, dtype or value)`` of its state."""
-    writes: set[str]
-    """The labels of the records that this rank writes its slices of."""
-    files: list[int] = field(default_factory=list)
-    """Per record, the index of the file it goes to (a sharded safetensors export; else all in file 0)."""
-
-
-def _merge(
-    plan: _Plan,
-    reports: list[_Report],
-    rank_index: int,
-    flat_optimizer_order: bool,
-    exported: export.ExportLayout | None = None,
-) -> _Layout:
-    records: list[_Record] = []
-    by_label: dict[str, int] = {}
-
-    def add(label: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        by_label[label] = len(records)
-        records.append(_Record(label, dtype, math.prod(shape), shape))
-
-    for target in plan.collected.targets:
-        add(f"model/{target.names[0]}", target.dtype, target.shape)
-    merged_states: dict[str, dict[int, list[tuple[str, str, Any]]]] = {}
-    for key, (_, _, params) in plan.optimizers.items():
-        merged: dict[int, list[tuple[str, str, Any]]] = {}
-        for index, param in enumerate(params):
-            found = [report.optimizers[key][index].keys for report in reports if index in report.optimizers[key]]
-            if not found:
-                continue
-            keys = found[0]
-            for other in found[1:]:
-                if [(k, kind) for k, kind, _ in other] != [(k, kind) for k, kind, _ in keys]:
-                    raise SaveUnsupported(f"the ranks hold different optimizer states for parameter {index} of {key!r}")
-            if flat_optimizer_order:  # FSDP1 flat parameters: FSDP lists the per-element states first
-                keys = [entry for entry in keys if entry[1] == "elem"] + [e for e in keys if e[1] != "elem"]
-            merged[index] = keys
-            optimizer_param = plan.collected.optimizer_params[id(param)]
-            for target, _ in optimizer_param.parts:
-                for state_key, kind, dtype in keys:
-                    if kind == "elem":
-                        add(f"{key}/{target.names[0]}/{state_key}", dtype, target.shape)
-        merged_states[key] = merged
-    # One writer among the ranks that hold the same elements of a record; every element written once.
-    writes: set[str] = set()
-    for index, record in enumerate(records):
-        groups: dict[str, list[int]] = {}
-        counts: dict[str, int] = {}
-        for rank, report in enumerate(reports):
-            held = report.holdings.get(record.label)
-            if held is not None and held[0]:
-                groups.setdefault(held[1], []).append(rank)
-                counts[held[1]] = held[0]
-        total = sum(counts.values())
-        if total != record.numel:
-            raise SaveUnsupported(
-                f"the ranks hold {total} distinct elements of {record.label!r} where it has {record.numel}"
-                " (their slices overlap or leave gaps)"
-            )
-        for holders in groups.values():
-            if holders[index % len(holders)] == rank_index:
-                writes.add(record.label)
-    if exported is not None:
-        placed: list[archive.RecordLayout | None] = [None] * len(records)
-        files = [0] * len(records)
-        for index, record in enumerate(records):
-            if index not in exported.placement:
-                writes.discard(record.label)  # not stored (a name the model ignores on save)
-                continue
-            files[index], offset = exported.placement[index]
-            placed[index] = archive.RecordLayout(record.label, 0, offset, record.nbytes)
-        return _Layout(records, by_label, placed, max(exported.ends, default=0), merged_states, writes, files)
-    names = [(archive.storage_record_name(str(index)), record.nbytes) for index, record in enumerate(records)]
-    stored, end = archive.plan_records(names, 0)
-    return _Layout(records, by_label, list(stored), end, merged_states, writes, [0] * len(records))
-
-
-def _export_layout(plan: _Plan, module: Module, max_shard_size: int | None) -> export.ExportLayout:
-    """The files of a safetensors export; its records are the model's targets, in order (as :func:`_merge` adds)."""
-    record_of = {id(target): index for index, target in enumerate(plan.collected.targets)}
-    buffers = _persistent_buffer_names(module)
-    entries = [
-        export.Entry(name, tuple(target.names), record_of[id(target)], target.dtype, target.shape, name not in buffers)
-        for name, target in plan.entries
-    ]
-    return export.plan(entries, module, max_shard_size)
-
-
-def _local_writes(plan: _Plan, layout: _Layout) -> list[_LocalWrite]:
-    writes = []
-    for target in plan.collected.targets:
-        label = f"model/{target.names[0]}"
-        if label not in layout.writes:
-            continue
-        record = layout.by_label[label]
-        if target.tensor is not None:
-            writes.append(_LocalWrite(record, target.tensor.detach().reshape(-1), [Run(0, target.local_numel, 0)]))
-        elif target.runs:
-            assert target.local is not None
-            writes.append(_LocalWrite(record, target.local.detach(), target.runs))
-    for key, (_, local, params) in plan.optimizers.items():
-        for index, param in enumerate(params):
-            state = local["state"].get(index)
-            if not state:
-                continue
-            optimizer_param = plan.collected.optimizer_params[id(param)]
-            for state_key, value in state.items():
-                if not (isinstance(value, Tensor) and value.dim() > 0):
-                    continue
-                flat = _local_flat(value)
-                assert flat is not None
-                for target, runs in optimizer_param.parts:
-                    label = f"{key}/{target.names[0]}/{state_key}"
-                    if label in layout.writes and runs:
-                        writes.append(_LocalWrite(layout.by_label[label], flat.detach(), runs))
-    return writes
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Writing
-
-
-def _snapshot(writes: list[_LocalWrite], buffers: dict[int, Tensor]) -> list[_LocalWrite]:
-    """The writes, from copies in host memory: one buffer per distinct memory written, reused from save to save.
-
-    Several records may be written from the same memory (the optimizer state of an FSDP flat parameter holds the
-    slices of several tensors): it is copied once. ``buffers`` keeps the copies by their order, which is the same from
-    one save to the next of the same model and optimizers; a buffer of another size or dtype is replaced.
-
-    """
-    copies: dict[tuple[int, int, torch.dtype], Tensor] = {}
-    copied = []
-    for write in writes:
-        key = (write.flat.data_ptr(), write.flat.numel(), write.flat.dtype)
-        if key not in copies:
-            slot = len(copies)
-            buffer = buffers.get(slot)
-            if buffer is None or buffer.dtype != write.flat.dtype or buffer.numel() != write.flat.numel():
-                # pinned where the slices are on a GPU: the copy runs as a DMA and overlaps what follows
-                pin = write.flat.device.type == "cuda"
-                buffer = torch.empty(write.flat.numel(), dtype=write.flat.dtype, pin_memory=pin)
-                buffers[slot] = buffer
-            buffer.copy_(write.flat, non_blocking=buffer.is_pinned())
-            copies[key] = buffer
-        copied.append(_LocalWrite(write.record, copies[key], write.runs))
-    for slot in [slot for slot in buffers if slot >= len(copies)]:
-        del buffers[slot]  # the model shrank: hold no more than one copy of this save's slices
-    if any(buffer.is_pinned() for buffer in copies.values()):
-        torch.cuda.synchronize()
-    return copied
-
-
-def _preallocate(fd: int, size: int) -> None:
-    """Reserve the blocks of the file's first ``size`` bytes before the ranks write their slices into them.
-
-    Every rank writes its slices at scattered offsets; with the blocks reserved first, those writes allocate nothing
-    (four ranks writing 3.2 GB took 10-35% less time with it than without, on ext4). Linux's ``fallocate`` only:
-    ``posix_fallocate`` emulates it, where a file system lacks it, by writing every block, which would cost more than
-    it saves on a network file system. Where it is not available, nothing happens.
-
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fallocate = libc.fallocate
-    except (OSError, AttributeError):
-        return
-    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fallocate(fd, 0, 0, size)  # a failure (EOPNOTSUPP, ENOSPC) leaves it to the writes, which report it
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data.nbytes:
-        written = os.pwrite(fd, data[:_WRITE_BYTES], offset)
-        if written <= 0:
-            raise OSError(errno.EIO, "os.pwrite wrote nothing")
-        data = data[written:]
-        offset += written
-
-
-def _host_bytes(tensor: Tensor) -> memoryview:
-    """The bytes of a contiguous 1-D host tensor, without a copy."""
-    return memoryview(tensor.view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-
-
-def _write_runs(fds: list[int], writes: list[_LocalWrite], layout: _Layout, crc: bool = True) -> dict[int, int]:
-    """Write this rank's runs; return the sparse CRC of every record (this rank's bytes, zeros elsewhere)."""
-    by_record: dict[int, list[tuple[Run, Tensor]]] = {}
-    for write in writes:
-        by_record.setdefault(write.record, []).extend((run, write.flat) for run in write.runs if run.count)
-    crcs = {}
-    for index, record in enumerate(layout.records):
-        placed = layout.placed[index]
-        if placed is None:
-            continue
-        fd = fds[layout.files[index]]
-        sparse = SparseCrc(record.nbytes) if crc else None
-        itemsize = record.dtype.itemsize
-        for run, flat in sorted(by_record.get(index, []), key=lambda item: item[0].start):
-            piece = flat[run.offset : run.offset + run.count]
-            if piece.dtype != record.dtype:
-                raise SaveUnsupported(f"{record.label!r} is {piece.dtype} on this rank, {record.dtype} in the plan")
-            step = max(STAGING_BYTES // itemsize, 1)
-            for chunk_start in range(0, run.count, step):
-                chunk = piece[chunk_start : chunk_start + step]
-                if chunk.device.type != "cpu":
-                    chunk = chunk.to("cpu")  # one staging buffer of at most STAGING_BYTES at a time
-                data = _host_bytes(chunk)
-                position = (run.start + chunk_start) * itemsize
-                _pwrite_all(fd, data, placed.data_offset + position)
-                if sparse is not None:
-                    sparse.add(position, data)
-        if sparse is not None:
-            crcs[index] = sparse.value()
-    return crcs
 
 
 def _skeleton_model(plan: _Plan, layout: _Layout, module: Module, fsdp2: bool) -> dict:
@@ -730,84 +330,6 @@ def _save_steps(request: SaveRequest, converted: Callable[[Any], Any], snapshot:
     return None
 
 
-def _open_shared(paths: list[Path], token: str) -> tuple[list[int], bool]:
-    """Open the files that rank 0 created; whether each holds its mark (else the ranks do not share them)."""
-    fds: list[int] = []
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            break
-        fds.append(fd)
-        if os.pread(fd, len(token.encode()), 0) != token.encode():
-            break
-    else:
-        return fds, True
-    for fd in fds:
-        os.close(fd)
-    return [], False
-
-
-def _finish_export(fds: list[int], exported: export.ExportLayout, directory: Path | None) -> None:
-    """Rank 0: every file's header; for a directory, the index and a transformers model's configuration."""
-    for fd, file, end in zip(fds, exported.files, exported.ends, strict=True):
-        _pwrite_all(fd, memoryview(file.header), 0)
-        os.ftruncate(fd, end)
-        os.fsync(fd)
-    if directory is None:
-        return
-    if exported.index is not None:
-        (directory / export.INDEX_NAME).write_bytes(exported.index)
-    export.write_configuration(exported, str(directory))
-    shards = {file.name for file in exported.files}
-    for entry in os.scandir(directory):
-        if entry.name not in shards and entry.is_file():
-            fd = os.open(entry.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_directory(directory)
-
-
-def _replace_directory(new: Path, path: Path) -> None:
-    """Rank 0: put the directory ``new`` at ``path``; an earlier directory there is replaced, or kept on failure.
-
-    Where the system can (Linux ``renameat2(RENAME_EXCHANGE)``), the two directories are swapped in one step, so
-    that ``path`` is always a complete directory; elsewhere the earlier one is first renamed aside (and back if the
-    second rename fails). The earlier directory is then removed.
-    """
-    import shutil
-
-    if not os.path.lexists(path):
-        os.rename(new, path)
-        return
-    if _swap(new, path):
-        shutil.rmtree(new, ignore_errors=True)  # now the earlier directory
-        return
-    aside = new.with_suffix(".old")
-    os.rename(path, aside)
-    try:
-        os.rename(new, path)
-    except BaseException:
-        os.rename(aside, path)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def _swap(first: Path, second: Path) -> bool:
-    """Exchange two paths atomically with Linux's ``renameat2``; ``False`` where it is not available."""
-    import ctypes
-
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError, TypeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0
-
-
 def _exchange(agreement: Agreement, name: str, value: Any, ranks: Ranks) -> list[Any]:
     """Every rank's ``value`` through the store (no collective: a failed or dead rank is noticed by the others)."""
     store = agreement.store
@@ -819,39 +341,6 @@ def _exchange(agreement: Agreement, name: str, value: Any, ranks: Ranks) -> list
     return [
         value if rank == ranks.rank else pickle.loads(store.get(f"{name}/{rank}")) for rank in range(ranks.world_size)
     ]
-
-
-def _finish(fd: int, layout: _Layout, all_crcs: list[list[int]], full_state: Any) -> None:
-    """Rank 0: the local headers of the storages, the small storages, the pickle, the small records, the directory."""
-    directory: list[tuple[archive.RecordLayout, int]] = []
-    for index, placed in enumerate(layout.placed):
-        assert placed is not None  # every record of a torch.save archive is stored
-        crc = combine_sparse([crcs[index] for crcs in all_crcs], placed.size)
-        _pwrite_all(fd, memoryview(archive.local_header(placed, crc)), placed.header_offset)
-        directory.append((placed, crc))
-
-    small: list[tuple[str, bytes]] = []
-
-    def new_storage(tensor: Tensor) -> archive.StorageRef:
-        from torch.serialization import location_tag
-
-        storage = tensor.untyped_storage()
-        key = str(len(layout.records) + len(small))
-        data = bytes(storage.cpu()) if storage.nbytes() else b""
-        small.append((archive.storage_record_name(key), data))
-        return archive.StorageRef(key, tensor.dtype, storage.nbytes() // tensor.dtype.itemsize, location_tag(storage))
-
-    pickled = archive.pickle_state(full_state, new_storage)
-    records = [*small, (f"{archive.PREFIX}/data.pkl", pickled), *archive.small_records()]
-    placed_small, end = archive.plan_records([(name, len(data)) for name, data in records], layout.end)
-    for placed, (_, data) in zip(placed_small, records, strict=True):
-        crc = zlib.crc32(data)
-        _pwrite_all(fd, memoryview(archive.local_header(placed, crc) + data), placed.header_offset)
-        directory.append((placed, crc))
-    central = archive.central_directory(directory, end)
-    _pwrite_all(fd, memoryview(central), end)
-    os.ftruncate(fd, end + len(central))
-    os.fsync(fd)
 
 
 def _optimizers(request: SaveRequest) -> dict[str, Optimizer]:
@@ -896,11 +385,3 @@ def _skeleton_state(request: SaveRequest, plan: _Plan, layout: _Layout, converte
             full[key] = converted(obj)
     full.update(other)
     return full
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

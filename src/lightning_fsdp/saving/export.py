@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.nn import Module
 
-from lightning_fsdp.loading.shard_local import clean_name
+from lightning_fsdp.layouts.targets import clean_name
 
 #: ``save_pretrained``'s default ``max_shard_size`` in transformers 5.
 DEFAULT_MAX_SHARD_SIZE = "50GB"

@@ -6,8 +6,8 @@ every tensor, DCP reads them all, the extra ``meta.pt`` is merged in) and passes
 the whole checkpoint. This writes the same file one tensor at a time:
 
 1. The DCP metadata is read and checked once by the package's validated reader
-   (:func:`~lightning_fsdp.loading.sharded.read_checked_metadata`: allow-listed unpickling, chunks that tile their
-   tensors, every shard file a regular file long enough). Nothing else parses it.
+   (:func:`~lightning_fsdp.loading.sharded_metadata.read_checked_metadata`: allow-listed unpickling, chunks that tile
+   their tensors, every shard file a regular file long enough). Nothing else parses it.
 2. The non-tensor entries (DCP's byte entries: learning rates, parameter names, ...) and ``meta.pt`` are read whole
    (they are small), through the same reader.
 3. The state is rebuilt as Lightning's consolidation rebuilds it, from the metadata alone: each entry placed at its path
@@ -42,10 +42,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fsdp.distributed.memory import return_freed_memory
 from lightning_fsdp.loading.errors import CheckpointLoadError, quoted_names
-from lightning_fsdp.loading.memory import return_freed_memory
 from lightning_fsdp.saving import archive
-from lightning_fsdp.saving.consolidated import _fsync_directory, _pwrite_all, temporary_path
+from lightning_fsdp.saving.consolidated import temporary_path
+from lightning_fsdp.saving.consolidated_write import _fsync_directory, _pwrite_all
 
 
 @dataclass
@@ -92,7 +93,8 @@ def consolidate_sharded_checkpoint(
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_fsdp.loading.sharded import CheckedFileSystemReader, read_checked_metadata, read_sharded_metadata
+    from lightning_fsdp.loading.sharded_metadata import read_checked_metadata, read_sharded_metadata
+    from lightning_fsdp.loading.sharded_readers import CheckedFileSystemReader
 
     source, output = Path(source), Path(output)
     if output.exists() or output.is_symlink():

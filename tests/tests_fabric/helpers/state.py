@@ -8,7 +8,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_fsdp.loading.fsdp2_layout import has_dtensor_params
+from lightning_fsdp.layouts.fsdp2 import has_dtensor_params
 
 
 def gather_full_state(model: Module, optimizer: Optimizer | None = None) -> dict[str, Any]:

@@ -21,8 +21,8 @@ import pytest
 import torch.distributed as dist
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-from lightning_fsdp.loading import agreement
-from lightning_fsdp.loading.agreement import Agreement, poll_until
+from lightning_fsdp.distributed import agreement
+from lightning_fsdp.distributed.agreement import Agreement, poll_until
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.turns import StaggeredLoad

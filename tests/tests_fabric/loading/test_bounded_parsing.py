@@ -227,7 +227,7 @@ def test_a_directory_listing_in_an_error_is_quoted_escaped(tmp_path):
 
 
 def test_a_global_name_with_terminal_escapes_in_sharded_metadata_is_quoted_escaped(tmp_path):
-    from lightning_fsdp.loading.sharded import read_dcp_metadata
+    from lightning_fsdp.loading.sharded_metadata import read_dcp_metadata
 
     (tmp_path / ".metadata").write_bytes(b"\x80\x02c" + f"os{_TERMINAL_ATTACK}".encode() + b"\nsystem\n(S'true'\ntR.")
     with pytest.raises(CheckpointLoadError, match="Refused to unpickle") as refused:

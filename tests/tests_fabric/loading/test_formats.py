@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_fsdp.layouts.targets import ModuleTargets, Run, Target
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint, load_torch_file, open_checkpoint
-from lightning_fsdp.loading.shard_local import ModuleTargets, Run, Target, copy_into_module
+from lightning_fsdp.loading.shard_local import copy_into_module
 from lightning_fsdp.loading.sources import ByteRangeSource, DictSource
 from lightning_fsdp.loading.validation import plan_load
 from tests.tests_fabric.helpers.checkpoints import (

@@ -14,18 +14,12 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_fsdp.layouts.optimizer import local_optimizer_state
+from lightning_fsdp.layouts.targets import ModuleTargets, OptimizerParam, Run, Target, TargetSpec, whole_target
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.optimizer import local_optimizer_state
-from lightning_fsdp.loading.shard_local import (
-    ModuleTargets,
-    OptimizerParam,
-    Run,
-    Target,
-    copy_into_module,
-    whole_target,
-)
+from lightning_fsdp.loading.shard_local import copy_into_module
 from lightning_fsdp.loading.sources import DictSource, TensorRef, TensorSpec
-from lightning_fsdp.loading.validation import TargetSpec, plan_load
+from lightning_fsdp.loading.validation import plan_load
 
 _SHARD = 6
 # rank -> {name: runs (start in the flattened tensor, count, offset in the rank's shard)}
@@ -293,7 +287,7 @@ _LAYOUTS = [
 
 @pytest.mark.parametrize(("shape", "mesh_shape", "codes"), _LAYOUTS)
 def test_dtensor_indices_and_runs_match_distribute_tensor(shape, mesh_shape, codes):
-    from lightning_fsdp.loading.fsdp2_layout import index_runs, local_indices
+    from lightning_fsdp.layouts.fsdp2 import index_runs, local_indices
 
     placements = _placements(codes)
     full = torch.arange(math.prod(shape)).reshape(shape)
@@ -321,7 +315,7 @@ def _chunk_or_empty(tensor: torch.Tensor, pieces: int, index: int) -> torch.Tens
 def test_strided_indices_are_what_fully_shard_holds_or_refused(mesh_shape):
     """``fully_shard`` chunks each rank's tensor-parallel rows over the data-parallel ranks (the ``[dp, tp]`` or, with
     HSDP, ``[replicate, dp, tp]`` mesh): the indices must be those, or the layout must be refused on every rank."""
-    from lightning_fsdp.loading.fsdp2_layout import ambiguous_strided_dim, local_indices
+    from lightning_fsdp.layouts.fsdp2 import ambiguous_strided_dim, local_indices
 
     *replicate, dp, tp = mesh_shape
     placements = tuple(_placements(("R",) * len(replicate) + (f"T0/{tp}", "S0")))
@@ -342,7 +336,7 @@ def test_strided_indices_are_what_fully_shard_holds_or_refused(mesh_shape):
 
 
 def test_strided_layout_that_torch_reads_two_ways_is_refused():
-    from lightning_fsdp.loading.fsdp2_layout import ambiguous_strided_dim, local_indices
+    from lightning_fsdp.layouts.fsdp2 import ambiguous_strided_dim, local_indices
 
     placements = tuple(_placements(("T0/2", "S0")))
     # 7 rows over a 3 x 2 mesh: fully_shard gives rank (2, 0) nothing and (2, 1) row 6, the placements the reverse
@@ -355,7 +349,7 @@ def test_strided_layout_that_torch_reads_two_ways_is_refused():
 
 
 def test_dtensor_indices_runs_of_a_strided_weight():
-    from lightning_fsdp.loading.fsdp2_layout import index_runs, local_indices
+    from lightning_fsdp.layouts.fsdp2 import index_runs, local_indices
 
     placements = _placements(("T0/2", "S0"))
     # 7 rows over tensor parallel (4 and 3) then FSDP: [0, 1], [2, 3] | [4, 5], [6]
@@ -375,7 +369,7 @@ def test_dtensor_indices_runs_of_a_strided_weight():
 def test_dtensor_indices_refuse_unknown_placements():
     from torch.distributed.tensor import Partial, Shard
 
-    from lightning_fsdp.loading.fsdp2_layout import local_indices
+    from lightning_fsdp.layouts.fsdp2 import local_indices
 
     assert local_indices((4, 4), (2,), (0,), [Partial()]) is None
     assert local_indices((4, 4), (2, 2), (0, 0), [Shard(0), Partial()]) is None
@@ -406,8 +400,8 @@ def _fully_shard_like_parameter(full: torch.Tensor, mesh_shape: tuple[int, int])
 
 @pytest.mark.parametrize(("rows", "mesh_shape"), [(7, (2, 2)), (5, (2, 2)), (7, (3, 2))])
 def test_collect_dtensor_targets_copies_strided_rows_or_refuses_on_every_rank(rows, mesh_shape):
-    from lightning_fsdp.loading.fsdp2_layout import collect_dtensor_targets
-    from lightning_fsdp.loading.shard_local import ShardLocalUnsupported
+    from lightning_fsdp.layouts.fsdp2 import collect_dtensor_targets
+    from lightning_fsdp.layouts.targets import ShardLocalUnsupported
 
     full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
     refusals = []

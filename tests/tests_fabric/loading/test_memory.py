@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lightning_fsdp.loading.memory import available_memory
+from lightning_fsdp.distributed.memory import available_memory
 
 _GiB = 1 << 30
 

@@ -12,10 +12,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from lightning_fsdp import CheckpointLoadError
-from lightning_fsdp.loading import remote
+from lightning_fsdp.loading import remote, remote_requests
 from lightning_fsdp.loading.files import fetched_bytes
 from lightning_fsdp.loading.remote import RemoteFile, remote_path
-from lightning_fsdp.loading.sharded import CheckedFileSystemReader, read_checked_metadata, read_dcp_metadata
+from lightning_fsdp.loading.sharded_metadata import read_checked_metadata, read_dcp_metadata
+from lightning_fsdp.loading.sharded_readers import CheckedFileSystemReader
 from tests.tests_fabric.helpers.checkpoints import MarkerPayload
 
 # The sharded checkpoints here are saved and read by one process, without a process group, as DCP allows.
@@ -87,7 +88,8 @@ def test_safetensors_slices_are_fetched_exactly(tmp_path):
     """Safetensors slices (torch's `HuggingFaceStorageWriter` layout) in object storage: detected from the headers, and
     each slice that the plan reads fetched by its exact byte range."""
     from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint
-    from lightning_fsdp.loading.sharded import SafetensorsSlicesReader, read_safetensors_shards_metadata
+    from lightning_fsdp.loading.sharded_metadata import read_safetensors_shards_metadata
+    from lightning_fsdp.loading.sharded_readers import SafetensorsSlicesReader
     from tests.tests_fabric.loading.test_safetensors_slices import _full_state, _write_slices
 
     _write_slices(tmp_path / "slices", [(0, 4), (4, 7)])
@@ -126,7 +128,7 @@ def test_large_ranges_are_fetched_concurrently_with_bounded_bytes_in_flight(monk
     """Two readers of large ranges: their chunks are fetched concurrently, the bytes land where they belong, and the
     response bodies held at once (from the request until the body is dropped after its copy) never exceed
     `MAX_IN_FLIGHT_BYTES`, whatever the number of chunks and readers."""
-    data = os.urandom(3 * remote.MAX_IN_FLIGHT_BYTES + 5)
+    data = os.urandom(3 * remote_requests.MAX_IN_FLIGHT_BYTES + 5)
     fs = fsspec.filesystem("memory")
     fs.pipe("/remote-tests/large.bin", data)
     path = remote_path("memory://remote-tests/large.bin")
@@ -160,7 +162,7 @@ def test_large_ranges_are_fetched_concurrently_with_bounded_bytes_in_flight(monk
         for reader in readers:
             reader.join()
         assert bytes(destinations[0]) + bytes(destinations[1]) == data
-        assert remote.CHUNK_BYTES < peak[0] <= remote.MAX_IN_FLIGHT_BYTES
+        assert remote.CHUNK_BYTES < peak[0] <= remote_requests.MAX_IN_FLIGHT_BYTES
         assert held[0] == 0
     finally:
         fs.rm("/remote-tests", recursive=True)

@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.formats import CheckpointFormat, detect_checkpoint
-from lightning_fsdp.loading.sharded import SafetensorsSlicesReader, module_entry, read_safetensors_shards_metadata
+from lightning_fsdp.loading.sharded_metadata import module_entry, read_safetensors_shards_metadata
+from lightning_fsdp.loading.sharded_readers import SafetensorsSlicesReader
 
 
 def _full_state() -> dict[str, torch.Tensor]:

@@ -14,15 +14,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_fsdp import FSDPStrategy
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.sharded import (
-    CheckedFileSystemReader,
+from lightning_fsdp.loading.sharded import load_sharded_checkpoint
+from lightning_fsdp.loading.sharded_metadata import (
     check_sharded_request,
     check_storage_files,
-    load_sharded_checkpoint,
     read_dcp_metadata,
     read_sharded_metadata,
     stored_entries,
 )
+from lightning_fsdp.loading.sharded_readers import CheckedFileSystemReader
 from tests.tests_fabric.helpers.checkpoints import MarkerPayload
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.hostile_dcp import (

@@ -16,7 +16,7 @@ layout that torch itself reads in two ways (uneven sizes when FSDP shards over t
 :func:`ambiguous_strided_dim`), and a local tensor that is not contiguous or not of the shape its placements give make
 the loader fall back to upstream's path.
 
-Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
+Layer: shared infrastructure (``lightning_fsdp.layouts``), used by loading and saving; not part of the core.
 """
 
 import functools
@@ -31,7 +31,7 @@ from torch.nn import Module
 
 from lightning_fsdp.core.fsdp import _join as join
 from lightning_fsdp.core.model_parallel import _local_tensor_and_box
-from lightning_fsdp.loading.shard_local import (
+from lightning_fsdp.layouts.targets import (
     ModuleTargets,
     OptimizerParam,
     Run,

@@ -1,6 +1,6 @@
 """How much memory a node can still give this process, and handing freed heap memory back to the system.
 
-Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
+Layer: shared infrastructure (``lightning_fsdp.distributed``), used by loading and saving; not part of the core.
 """
 
 import ctypes

@@ -30,7 +30,7 @@ on its one connection with a mutex, ``FileStore`` and ``HashStore`` lock as well
 releases the GIL inside each operation. Since no blocking ``wait`` runs while an agreement is open, a heartbeat never
 queues behind one.
 
-Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
+Layer: shared infrastructure (``lightning_fsdp.distributed``), used by loading and saving; not part of the core.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Restore an optimizer over a sharded model from a full optimizer state, keeping only this rank's slices.
 
 The slicing is the core's (:func:`lightning_fsdp.core.fsdp._local_optimizer_state`, the function that goes to
-Lightning): this module gives it the package's layouts (:class:`~.shard_local.ModuleTargets`, for FSDP1 and FSDP2 alike)
-and the package's lazy tensors (:class:`~.sources.TensorRef`, read by byte ranges), checks the entry's structure
-first, and reports a mismatch as a :class:`CheckpointLoadError`.
+Lightning): this module gives it the package's layouts (:class:`~lightning_fsdp.layouts.targets.ModuleTargets`, for
+FSDP1 and FSDP2 alike) and the package's lazy tensors (:class:`~lightning_fsdp.loading.sources.TensorRef`, read by
+byte ranges), checks the entry's structure first, and reports a mismatch as a :class:`CheckpointLoadError`.
 
-Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
+Layer: shared infrastructure (``lightning_fsdp.layouts``), used by loading and saving; not part of the core.
 """
 
 from collections.abc import Mapping
@@ -15,8 +15,8 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_fsdp.core.fsdp import _Layout, _local_optimizer_state, _Param, _Piece, _Shard
+from lightning_fsdp.layouts.targets import ModuleTargets
 from lightning_fsdp.loading.errors import CheckpointLoadError
-from lightning_fsdp.loading.shard_local import ModuleTargets
 
 
 def local_optimizer_state(optimizer: Optimizer, collected: ModuleTargets, full_state: Mapping[str, Any]) -> dict:
