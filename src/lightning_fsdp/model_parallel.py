@@ -45,16 +45,14 @@ from lightning_fsdp.loading.materialize import (
     attach_init_record,
     shared_tensor_names,
 )
-from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import (
     broadcast_load_path,
-    init_loading_options,
     load_into_state,
-    load_options,
     load_request,
     raise_if_path_refused,
 )
-from lightning_fsdp.saving.background import BackgroundSaves, sharded_saves_in_background, wait_for_save
+from lightning_fsdp.saving.background import sharded_saves_in_background
+from lightning_fsdp.strategy_options import CheckpointOptions
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -62,7 +60,7 @@ if TYPE_CHECKING:
 TModel = TypeVar("TModel", bound=Module)
 
 
-class ModelParallelStrategy(_CoreModelParallelStrategy):
+class ModelParallelStrategy(CheckpointOptions, _CoreModelParallelStrategy):
     r"""Fabric's :class:`~lightning.fabric.strategies.ModelParallelStrategy` that loads full checkpoints shard-locally.
 
     It behaves like the upstream class (FSDP2 and tensor parallelism applied by ``parallelize_fn``; on CPU with the
@@ -112,8 +110,7 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        init_loading_options(self, load_concurrency, load_progress)
-        self._background_saves = BackgroundSaves() if save_in_background else None
+        self._init_checkpoint_options(load_concurrency, load_progress, save_in_background)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -265,28 +262,6 @@ class ModelParallelStrategy(_CoreModelParallelStrategy):
                     shards="distributed checkpoint shards",
                 )
                 raise
-
-    def wait_for_save(self) -> None:
-        """Wait for the checkpoint saved in the background, if any; see :class:`lightning_fsdp.FSDPStrategy`."""
-        wait_for_save(self)
-
-    @override
-    def teardown(self) -> None:
-        """Wait for a save in the background (and raise its error), then upstream's teardown."""
-        try:
-            self.wait_for_save()
-        finally:
-            super().teardown()
-
-    def load_options(
-        self,
-        rename: Rename | None = None,
-        storage_options: dict[str, Any] | None = None,
-        request_timeout: float | None = None,
-        stall_timeout: float | None = None,
-    ) -> AbstractContextManager:
-        """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
-        return load_options(self, rename, storage_options, request_timeout, stall_timeout)
 
 
 @contextmanager

@@ -49,16 +49,14 @@ from lightning_fsdp.loading.materialize import (
     shared_tensor_names,
 )
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
-from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import (
     broadcast_load_path,
-    init_loading_options,
     load_into_state,
-    load_options,
     load_request,
     raise_if_path_refused,
 )
-from lightning_fsdp.saving.background import BackgroundSaves, sharded_saves_in_background, wait_for_save
+from lightning_fsdp.saving.background import sharded_saves_in_background
+from lightning_fsdp.strategy_options import CheckpointOptions
 
 if TYPE_CHECKING:
     from lightning.fabric.strategies.fsdp import _POLICY, _SHARDING_STRATEGY
@@ -66,7 +64,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
 
-class FSDPStrategy(_CoreFSDPStrategy):
+class FSDPStrategy(CheckpointOptions, _CoreFSDPStrategy):
     r"""Fabric's :class:`~lightning.fabric.strategies.FSDPStrategy` that also runs on CPU.
 
     It accepts every argument of the upstream class and behaves the same on CUDA. In addition:
@@ -135,8 +133,7 @@ class FSDPStrategy(_CoreFSDPStrategy):
             device_mesh=device_mesh,
             **kwargs,
         )
-        init_loading_options(self, load_concurrency, load_progress)
-        self._background_saves = BackgroundSaves() if save_in_background else None
+        self._init_checkpoint_options(load_concurrency, load_progress, save_in_background)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -331,65 +328,6 @@ class FSDPStrategy(_CoreFSDPStrategy):
                     shards="FSDP checkpoint shards",
                 )
                 raise
-
-    def wait_for_save(self) -> None:
-        """Wait for the checkpoint being saved in the background, if any (``save_in_background=True``).
-
-        Raises:
-            CheckpointSaveError: On every rank, if that save failed: no file replaced the one at its path.
-
-        """
-        wait_for_save(self)
-
-    @override
-    def teardown(self) -> None:
-        """Wait for a save in the background (and raise its error), then upstream's teardown."""
-        try:
-            self.wait_for_save()
-        finally:
-            super().teardown()
-
-    def load_options(
-        self,
-        rename: Rename | None = None,
-        storage_options: dict[str, Any] | None = None,
-        request_timeout: float | None = None,
-        stall_timeout: float | None = None,
-    ) -> AbstractContextManager:
-        """Options for the loads inside the ``with`` block: ``fabric.load`` and ``fabric.load_raw`` take none.
-
-        Example::
-
-            with fabric.strategy.load_options(rename={"model.": "", "lm_head.": None}):
-                fabric.load_raw("LlamaForCausalLM/model.safetensors.index.json", base_model)
-
-        Args:
-            rename: Maps the checkpoint's names to the model's, without a copy of the file: a mapping of prefixes
-                (``{"model.": ""}`` removes one, ``{"": "model."}`` adds one, ``{"lm_head.": None}`` leaves those
-                tensors out; the longest matching prefix wins, other names are kept) or a callable (checkpoint name
-                -> model name, or ``None`` to leave the tensor out). ``{}`` keeps every name as it is. By default
-                (``None``), a single prefix that makes every model tensor match is removed or added automatically,
-                and rank 0 says so. Checkpoint files only: a sharded checkpoint is refused with a rename.
-
-            storage_options: Options of the fsspec file system that reads a checkpoint URL (``s3://...``), such as
-                ``{"endpoint_url": ..., "key": ..., "secret": ...}`` for ``s3fs``. By default fsspec's usual
-                configuration applies (environment variables, the provider's config files).
-
-            request_timeout: Object storage only: seconds after which a request that has received nothing (no
-                answer, or no byte of its body) is abandoned: a read of a range is tried again (5 attempts at most),
-                a request for an object's size or a listing ends the load. Default: 30.
-
-            stall_timeout: Object storage only: seconds after which a rank whose requests have received no byte,
-                retries included, ends the load with a :class:`~lightning_fsdp.CheckpointLoadError` on every rank
-                naming the object and the range. Default: 60. Both hold for the file systems that fsspec runs
-                asynchronously (``s3://``, ``gs://``, ``az://``).
-
-        Raises:
-            TypeError: If ``rename`` is neither a mapping of prefixes nor a callable, or ``storage_options`` not a dict.
-            ValueError: If a timeout is not a number of seconds greater than 0.
-
-        """
-        return load_options(self, rename, storage_options, request_timeout, stall_timeout)
 
     def _set_up_on_cpu(self) -> bool:
         # Upstream reads `root_device` only once the devices are set; a strategy built without them is never on CPU.

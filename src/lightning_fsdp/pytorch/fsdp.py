@@ -17,7 +17,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Generator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -34,8 +34,6 @@ from typing_extensions import override
 
 from lightning_fsdp.devices import _check_cluster_environment, _check_distinct_devices
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
-from lightning_fsdp.loading.validation import Rename
-from lightning_fsdp.loading_calls import init_loading_options, load_options
 from lightning_fsdp.pytorch.loading import is_fitting, load_weights, resume
 from lightning_fsdp.pytorch.saving import (
     Deferred,
@@ -43,8 +41,9 @@ from lightning_fsdp.pytorch.saving import (
     hooks_allow_stand_ins,
     save_without_gather,
 )
-from lightning_fsdp.saving.background import BackgroundSaves, sharded_saves_in_background, wait_for_save
+from lightning_fsdp.saving.background import sharded_saves_in_background
 from lightning_fsdp.strategy import _full_state_dict_type, cpu_wrapper_kwargs, wrap_on_cpu
+from lightning_fsdp.strategy_options import CheckpointOptions
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -53,7 +52,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
 
-class FSDPStrategy(_FSDPStrategy):
+class FSDPStrategy(CheckpointOptions, _FSDPStrategy):
     r"""The Trainer's :class:`~lightning.pytorch.strategies.FSDPStrategy`, on CPU too, with shard-local loads.
 
     It accepts every argument of the upstream class and behaves the same on CUDA. In addition:
@@ -120,8 +119,7 @@ class FSDPStrategy(_FSDPStrategy):
             device_mesh=device_mesh,
             **kwargs,
         )
-        init_loading_options(self, load_concurrency, load_progress)
-        self._background_saves = BackgroundSaves() if save_in_background else None
+        self._init_checkpoint_options(load_concurrency, load_progress, save_in_background)
 
     @override
     def setup_environment(self) -> None:
@@ -285,28 +283,6 @@ class FSDPStrategy(_FSDPStrategy):
         """
         assert self.model is not None, "`load_weights` needs the model set up: call it once the Trainer has started"
         return load_weights(self, path, self.model, strict, weights_only, "FSDPStrategy", sharded_module_key="model")
-
-    def wait_for_save(self) -> None:
-        """Wait for the checkpoint saved in the background, if any; raise its error on every rank if it failed."""
-        wait_for_save(self)
-
-    @override
-    def teardown(self) -> None:
-        """Wait for a save in the background (and raise its error), then upstream's teardown."""
-        try:
-            self.wait_for_save()
-        finally:
-            super().teardown()
-
-    def load_options(
-        self,
-        rename: Rename | None = None,
-        storage_options: dict[str, Any] | None = None,
-        request_timeout: float | None = None,
-        stall_timeout: float | None = None,
-    ) -> AbstractContextManager:
-        """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
-        return load_options(self, rename, storage_options, request_timeout, stall_timeout)
 
     def _on_cpu(self) -> bool:
         return self.parallel_devices is not None and self.root_device.type == "cpu"

@@ -16,7 +16,6 @@
 Layer: an extension of the package (docs/source-fabric/upstream.rst), not part of the core.
 """
 
-from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -27,8 +26,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_fsdp.loading.validation import Rename
-from lightning_fsdp.loading_calls import init_loading_options, load_options
 from lightning_fsdp.pytorch.loading import is_fitting, load_weights, resume
 from lightning_fsdp.pytorch.saving import (
     Deferred,
@@ -36,10 +33,11 @@ from lightning_fsdp.pytorch.saving import (
     hooks_allow_stand_ins,
     save_without_gather,
 )
-from lightning_fsdp.saving.background import BackgroundSaves, sharded_saves_in_background, wait_for_save
+from lightning_fsdp.saving.background import sharded_saves_in_background
+from lightning_fsdp.strategy_options import CheckpointOptions
 
 
-class ModelParallelStrategy(_ModelParallelStrategy):
+class ModelParallelStrategy(CheckpointOptions, _ModelParallelStrategy):
     r"""The Trainer's :class:`~lightning.pytorch.strategies.ModelParallelStrategy`, with shard-local loads.
 
     It accepts every argument of the upstream class and behaves the same, except for loading:
@@ -76,8 +74,7 @@ class ModelParallelStrategy(_ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        init_loading_options(self, load_concurrency, load_progress)
-        self._background_saves = BackgroundSaves() if save_in_background else None
+        self._init_checkpoint_options(load_concurrency, load_progress, save_in_background)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -147,25 +144,3 @@ class ModelParallelStrategy(_ModelParallelStrategy):
         return load_weights(
             self, path, self.model, strict, weights_only, "ModelParallelStrategy", sharded_module_key="state_dict"
         )
-
-    def wait_for_save(self) -> None:
-        """Wait for the checkpoint saved in the background, if any; raise its error on every rank if it failed."""
-        wait_for_save(self)
-
-    @override
-    def teardown(self) -> None:
-        """Wait for a save in the background (and raise its error), then upstream's teardown."""
-        try:
-            self.wait_for_save()
-        finally:
-            super().teardown()
-
-    def load_options(
-        self,
-        rename: Rename | None = None,
-        storage_options: dict[str, Any] | None = None,
-        request_timeout: float | None = None,
-        stall_timeout: float | None = None,
-    ) -> AbstractContextManager:
-        """Options for the loads inside the ``with`` block; see :meth:`lightning_fsdp.FSDPStrategy.load_options`."""
-        return load_options(self, rename, storage_options, request_timeout, stall_timeout)
