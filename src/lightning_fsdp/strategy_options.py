@@ -11,6 +11,8 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
+from torch.optim import Optimizer
+
 from lightning_fsdp.loading.validation import Rename
 from lightning_fsdp.loading_calls import init_loading_options, load_options
 from lightning_fsdp.saving.background import BackgroundSaves, wait_for_save
@@ -80,6 +82,19 @@ class CheckpointOptions:
 
         """
         wait_for_save(self)
+
+    def optimizer_step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's optimizer step; then, with ``save_in_background=True``, the saves' host memory is made ready.
+
+        After an optimizer's first step, a thread allocates the memory that a save in the background copies the rank's
+        slices into (:meth:`~lightning_fsdp.saving.background.HostBuffers.reserve_for`), so that the first save does
+        not wait for it.
+
+        """
+        output = super().optimizer_step(optimizer, *args, **kwargs)  # type: ignore[misc]
+        if self._background_saves is not None:
+            self._background_saves.buffers.reserve_for(optimizer)
+        return output
 
     def teardown(self) -> None:
         """Wait for a save in the background (and raise its error), then Lightning's teardown."""

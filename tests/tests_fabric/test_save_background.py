@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
 from lightning_fsdp.saving import CheckpointSaveError
-from lightning_fsdp.saving.background import BackgroundSaves
+from lightning_fsdp.saving.background import BackgroundSaves, HostBuffers
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.state import assert_identical
 
@@ -83,19 +83,23 @@ def _save_steps_then_wait(strategy_name: str, folder: str) -> tuple[bool, bool, 
     fabric.save(f"{folder}/reference.ckpt", state)
     fabric.strategy._background_saves = background
 
+    # the first optimizer step reserved the host memory of the saves, in a thread: the first save copies into it
+    background.buffers._wait_reserved()
+    reserved = background.buffers.arena
     release, held_back = _held_back_saves()
     with held_back:
         fabric.save(f"{folder}/background.ckpt", state)
+        in_reserved = reserved is not None and background.buffers.arena is reserved
         in_flight = background.in_flight and not Path(f"{folder}/background.ckpt").exists()
         for _ in range(3):  # training goes on while the save is in flight: the model and Adam's state change
             _step(fabric, model, optimizer)
         release.set()
         fabric.strategy.wait_for_save()
-    buffers = {slot: buffer.data_ptr() for slot, buffer in background.snapshot.items()}
-    # a second save reuses the host buffers of the first
+    arena = background.buffers.arena
+    # a second save reuses the host memory of the first
     fabric.save(f"{folder}/second.ckpt", {"model": model, "optimizer": optimizer, "step": 4})
     fabric.strategy.wait_for_save()
-    reused = {slot: buffer.data_ptr() for slot, buffer in background.snapshot.items()} == buffers and bool(buffers)
+    reused = in_reserved and background.buffers.arena is arena
     # a load waits for the save in flight: the file it reads is complete
     fabric.save(f"{folder}/third.ckpt", {"model": model, "optimizer": optimizer, "step": 5})
     remainder = fabric.load(f"{folder}/third.ckpt", {"model": model, "optimizer": optimizer})
@@ -105,7 +109,8 @@ def _save_steps_then_wait(strategy_name: str, folder: str) -> tuple[bool, bool, 
 @pytest.mark.parametrize("strategy_name", ["fsdp1", "fsdp2"])
 def test_background_save_holds_the_state_at_the_call(strategy_name, tmp_path):
     """The optimizer steps three times while the file is written: the file holds the state at the call, bit for bit
-    the synchronous save's; the host buffers are reused by the next save; a load waits for the save in flight."""
+    the synchronous save's; the first save copies into the host memory reserved at the first optimizer step, and the
+    next save reuses it; a load waits for the save in flight."""
     results = run_distributed(_save_steps_then_wait, strategy_name, str(tmp_path), devices=2)
     assert [in_flight for in_flight, _, _ in results] == [True, True]
     assert all(reused for _, reused, _ in results)
@@ -275,3 +280,35 @@ def test_a_failed_background_save_is_raised_on_every_rank_at_the_next_wait(tmp_p
         assert content == _EARLIER.decode()
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
     assert torch.load(tmp_path / "full.ckpt.next", weights_only=True).keys() == {"model", "optimizer"}
+
+
+def test_host_buffers_reserve_at_the_first_step_and_lay_out_every_save():
+    """The arena is sized from an optimizer after its step (parameters and state), allocated in a thread; a save's
+    copies are laid out in it, what does not fit (a model's buffers) gets memory of its own, kept for the next save."""
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    buffers = HostBuffers()
+    buffers.reserve_for(optimizer)
+    buffers.reserve_for(optimizer)  # once per optimizer
+    buffers._wait_reserved()
+    arena = buffers.arena
+    # the weight (32 floats) and Adam's two states of it, then the bias (4) and its two: each at a multiple of 64 bytes
+    assert arena is not None
+    assert arena.numel() == 3 * 128 + 64 + 64 + 16
+    assert bool((arena == 0).all())  # every page touched in the thread
+    sizes = [(32, torch.float32), (4, torch.float32)] * 3 + [(5, torch.int64)]  # and a buffer of the model
+    views = buffers.views(sizes, pin=False)
+    assert [(view.numel(), view.dtype) for view in views] == sizes
+    in_arena = [view.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr() for view in views]
+    assert in_arena == [True] * 6 + [False]
+    starts = [view.data_ptr() - arena.data_ptr() for view in views[:6]]
+    assert all(start % 64 == 0 for start in starts)
+    assert starts == sorted(set(starts))
+    again = buffers.views(sizes, pin=False)
+    assert [view.data_ptr() for view in again] == [view.data_ptr() for view in views]  # reused, overflow included
+    smaller = buffers.views([(4, torch.float32)], pin=False)  # the model shrank: no more than one copy is held
+    assert buffers.arena is not arena
+    assert buffers.arena.numel() == 16
+    assert smaller[0].numel() == 4

@@ -186,7 +186,7 @@ def _hand_off(background: BackgroundSaves | None, request: SaveRequest) -> Calla
     """Where ``request``'s save hands the rest of its work (lent the background's host buffers), or ``None``."""
     if background is None:
         return None
-    request.snapshot = background.snapshot
+    request.snapshot = background.buffers
     return partial(background.start, what=repr(str(request.path)))
 
 

@@ -9,9 +9,11 @@ temporary file is removed. At most one save is in flight per strategy: the next 
 same on every rank) there. A process that exits with a save in flight finishes it first (the thread is not a daemon)
 and prints its error if it failed and nobody waited for it.
 
-Host memory: one copy of what the rank writes (its slices of the model and of the optimizer state), in buffers that
-the next save reuses. The background thread meets the other ranks on the process group's store, never in a
-collective, so it does not interleave with the training loop's collectives.
+Host memory: one copy of what the rank writes (its slices of the model and of the optimizer state), in one arena
+(:class:`HostBuffers`) that the next save reuses. The strategy reserves it at an optimizer's first step, in a thread
+that allocates it and touches every page, so that the first save copies into memory that is ready instead of
+waiting for the kernel to map 1 GB of pages. The background thread meets the other ranks on the process group's
+store, never in a collective, so it does not interleave with the training loop's collectives.
 
 The export of the weights (:func:`lightning_fsdp.saving.save_safetensors`) hands off the same way. A sharded
 checkpoint (:func:`sharded_saves_in_background`) is copied with torch's staging utilities into buffers of its own,
@@ -38,14 +40,107 @@ from torch import Tensor
 from lightning_fsdp.loading.errors import load_errors_printed_once_per_node
 
 _pending: weakref.WeakSet[BackgroundSaves] = weakref.WeakSet()
+#: Where each copy starts in the arena: a multiple of this many bytes (a cache line; any dtype's size divides it).
+_ALIGNMENT = 64
+
+
+class HostBuffers:
+    """The host memory that a save in the background copies the rank's slices into: one arena, reused by every save.
+
+    :meth:`reserve_for` sizes it from an optimizer after its first step (its parameters' local shards and their state,
+    which is what a full save writes, but for the buffers of the model) and allocates it in a thread; :meth:`views`
+    lays out one save's copies in it, waiting for that thread first. What does not fit in the arena (a model's
+    buffers, or the state of an optimizer that took no step yet) gets memory of its own, kept for the next save too.
+
+    """
+
+    def __init__(self) -> None:
+        self.arena: Tensor | None = None
+        self._overflow: dict[int, Tensor] = {}
+        self._reserved: dict[int, int] = {}
+        self._reserving: threading.Thread | None = None
+
+    def reserve_for(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the arena ready, in a thread, for the state of ``optimizer`` (once per optimizer) and its parameters."""
+        if id(optimizer) in self._reserved:
+            return
+        nbytes, pin = _host_copy_bytes(optimizer)
+        self._reserved[id(optimizer)] = nbytes
+        self._wait_reserved()
+        total = sum(self._reserved.values())
+        if self.arena is not None and self.arena.numel() >= total:
+            return
+        self._reserving = threading.Thread(
+            target=self._allocate, args=(total, pin), name="lightning-fsdp-host-buffers", daemon=True
+        )
+        self._reserving.start()
+
+    def _allocate(self, nbytes: int, pin: bool) -> None:
+        arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        arena.zero_()  # every page touched here: the kernel maps them now, not while the first save copies
+        self.arena = arena
+
+    def _wait_reserved(self) -> None:
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
+
+    def views(self, sizes: list[tuple[int, torch.dtype]], pin: bool) -> list[Tensor]:
+        """One 1-D tensor of ``numel`` elements of ``dtype`` per entry of ``sizes``, in the arena where they fit.
+
+        Without an arena (no optimizer stepped), or in one that is pinned where ``pin`` is not (or the reverse), or
+        more than twice as large as needed (the model shrank: no more than one copy is held), an arena of exactly
+        what ``sizes`` need replaces it.
+
+        """
+        self._wait_reserved()
+        ends = []
+        end = 0
+        for numel, dtype in sizes:
+            end = -(-end // _ALIGNMENT) * _ALIGNMENT + numel * dtype.itemsize
+            ends.append(end)
+        arena = self.arena
+        if arena is None or arena.is_pinned() != pin or arena.numel() > 2 * end:
+            arena = self.arena = torch.empty(end, dtype=torch.uint8, pin_memory=pin)
+            self._overflow.clear()
+        views = []
+        for index, ((numel, dtype), stop) in enumerate(zip(sizes, ends, strict=True)):
+            start = stop - numel * dtype.itemsize
+            if stop <= arena.numel():
+                views.append(arena[start:stop].view(dtype))
+                continue
+            buffer = self._overflow.get(index)
+            if buffer is None or buffer.numel() != numel or buffer.dtype != dtype or buffer.is_pinned() != pin:
+                buffer = self._overflow[index] = torch.empty(numel, dtype=dtype, pin_memory=pin)
+            views.append(buffer)
+        for index in [index for index in self._overflow if index >= len(sizes)]:
+            del self._overflow[index]
+        return views
+
+
+def _host_copy_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, bool]:
+    """The arena bytes that a save's copies of ``optimizer``'s parameters and their state take, and whether on a GPU."""
+    from torch.distributed.tensor import DTensor
+
+    nbytes, pin = 0, False
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            tensors = [param, *(v for v in optimizer.state.get(param, {}).values() if isinstance(v, Tensor))]
+            for tensor in tensors:
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                if local.dim() == 0:
+                    continue  # a scalar state (Adam's `step`) is pickled, not copied
+                nbytes = -(-nbytes // _ALIGNMENT) * _ALIGNMENT + local.numel() * local.element_size()
+                pin = pin or local.device.type == "cuda"
+    return nbytes, pin
 
 
 class BackgroundSaves:
     """The saves of one strategy that run in the background: at most one at a time."""
 
     def __init__(self) -> None:
-        self.snapshot: dict[int, Tensor] = {}
-        """The host buffers of the rank's slices, kept from one save to the next."""
+        self.buffers = HostBuffers()
+        """The host memory of the rank's slices, kept from one save to the next."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._what = ""

@@ -35,11 +35,10 @@ import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -69,6 +68,9 @@ from lightning_fsdp.saving.consolidated_write import (
     _snapshot,
     _write_runs,
 )
+
+if TYPE_CHECKING:
+    from lightning_fsdp.saving.background import HostBuffers
 
 
 class CheckpointSaveError(RuntimeError):
@@ -168,9 +170,9 @@ class SaveRequest:
     """Write the model's tensors in ``.safetensors`` format instead (each tied tensor once; see :mod:`.export`)."""
     max_shard_size: int | None = None
     """With ``safetensors``: write a directory as ``save_pretrained`` does, with shards of at most this many bytes."""
-    snapshot: dict[int, Tensor] = field(default_factory=dict)
-    """Host buffers for a save in the background (:func:`save` with ``hand_off``), by record; kept from one save to
-    the next, and reused where a record's size and dtype are unchanged."""
+    snapshot: HostBuffers | None = None
+    """The host memory of a save in the background (:func:`save` with ``hand_off``), kept from one save to the
+    next."""
 
 
 def temporary_path(path: Path, namespace: str) -> Path:
@@ -279,6 +281,7 @@ def _save_steps(request: SaveRequest, converted: Callable[[Any], Any], snapshot:
                     full_state = _skeleton_state(request, plan, layout, converted)
                 if snapshot:
                     # the rank's own copy of what it writes; the caller's model and optimizers are free from here on
+                    assert request.snapshot is not None
                     writes = _snapshot(writes, request.snapshot)
                     full_state = copy.deepcopy(full_state)
                     yield

@@ -17,7 +17,7 @@ import os
 import sys
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -27,40 +27,40 @@ from lightning_fsdp.saving import archive, export
 from lightning_fsdp.saving.consolidated_plan import SaveUnsupported, _Layout, _LocalWrite
 from lightning_fsdp.saving.crc import SparseCrc, combine_sparse
 
+if TYPE_CHECKING:
+    from lightning_fsdp.saving.background import HostBuffers
+
 #: Bytes of a tensor on an accelerator copied to host memory at a time before they are written.
 STAGING_BYTES = 64 * 2**20
 #: The most bytes one ``os.pwrite`` call is given (Linux writes at most about 2 GiB per call).
 _WRITE_BYTES = 1 << 30
 
 
-def _snapshot(writes: list[_LocalWrite], buffers: dict[int, Tensor]) -> list[_LocalWrite]:
-    """The writes, from copies in host memory: one buffer per distinct memory written, reused from save to save.
+def _snapshot(writes: list[_LocalWrite], buffers: HostBuffers) -> list[_LocalWrite]:
+    """The writes, from copies in host memory: one per distinct memory written, in ``buffers`` (reused save to save).
 
     Several records may be written from the same memory (the optimizer state of an FSDP flat parameter holds the
-    slices of several tensors): it is copied once. ``buffers`` keeps the copies by their order, which is the same from
-    one save to the next of the same model and optimizers; a buffer of another size or dtype is replaced.
+    slices of several tensors): it is copied once. The copies are laid out in the order of the writes, which is the
+    same from one save to the next of the same model and optimizers.
 
     """
-    copies: dict[tuple[int, int, torch.dtype], Tensor] = {}
-    copied = []
+    slots: list[int] = []
+    distinct: dict[tuple[int, int, torch.dtype], int] = {}
+    sources: list[Tensor] = []
     for write in writes:
         key = (write.flat.data_ptr(), write.flat.numel(), write.flat.dtype)
-        if key not in copies:
-            slot = len(copies)
-            buffer = buffers.get(slot)
-            if buffer is None or buffer.dtype != write.flat.dtype or buffer.numel() != write.flat.numel():
-                # pinned where the slices are on a GPU: the copy runs as a DMA and overlaps what follows
-                pin = write.flat.device.type == "cuda"
-                buffer = torch.empty(write.flat.numel(), dtype=write.flat.dtype, pin_memory=pin)
-                buffers[slot] = buffer
-            buffer.copy_(write.flat, non_blocking=buffer.is_pinned())
-            copies[key] = buffer
-        copied.append(_LocalWrite(write.record, copies[key], write.runs))
-    for slot in [slot for slot in buffers if slot >= len(copies)]:
-        del buffers[slot]  # the model shrank: hold no more than one copy of this save's slices
-    if any(buffer.is_pinned() for buffer in copies.values()):
+        if key not in distinct:
+            distinct[key] = len(sources)
+            sources.append(write.flat)
+        slots.append(distinct[key])
+    # pinned where the slices are on a GPU: the copy runs as a DMA and overlaps what follows
+    pin = any(source.device.type == "cuda" for source in sources)
+    copies = buffers.views([(source.numel(), source.dtype) for source in sources], pin)
+    for copy, source in zip(copies, sources, strict=True):
+        copy.copy_(source, non_blocking=pin)
+    if pin:
         torch.cuda.synchronize()
-    return copied
+    return [_LocalWrite(write.record, copies[slot], write.runs) for write, slot in zip(writes, slots, strict=True)]
 
 
 def _preallocate(fd: int, size: int) -> None:
