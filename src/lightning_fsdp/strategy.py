@@ -89,6 +89,8 @@ class FSDPStrategy(CheckpointOptions, _CoreFSDPStrategy):
             copy of its slices, and the file appears when every rank has written it (a sharded checkpoint: torch's
             distributed checkpoint writes the directory, in the strategy's thread). The next save, a load and
             :meth:`wait_for_save` wait for it and raise its error (see :mod:`lightning_fsdp.saving.background`).
+            The host memory it copies into, one copy of the rank's slices, is reserved after an optimizer's first
+            step, in a thread, and held from then on.
 
     """
 

@@ -72,9 +72,10 @@ class FSDPStrategy(CheckpointOptions, _FSDPStrategy):
             loaded with ``weights_only=False``) in host memory at the same time; see
             :class:`lightning_fsdp.FSDPStrategy`.
         load_progress: Show a progress bar while loading, once per node, when the output is a terminal.
-        save_in_background: Write full checkpoints in the background: ``trainer.save_checkpoint`` (and so
+        save_in_background: Write checkpoints in the background: ``trainer.save_checkpoint`` (and so
             ``ModelCheckpoint``) returns once every rank holds a copy of its slices; the next save, a resume,
             :meth:`wait_for_save` and the end of the run wait for it (see :mod:`lightning_fsdp.saving.background`).
+            The host memory of that copy is reserved after an optimizer's first step, in a thread.
 
     """
 
