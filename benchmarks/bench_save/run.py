@@ -24,6 +24,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -421,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="both", choices=("fsdp1", "fsdp2", "both"))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_save"))
     parser.add_argument("--output", type=Path, default=None, help="also write the Markdown table here")
+    parser.add_argument(
+        "--floor-samples", type=int, default=3, help="how many times the write floor is measured (the median counts)"
+    )
     args = parser.parse_args(argv)
     width, depth = PRESETS[args.size]
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -439,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     measured: dict[str, Any] = {}
-    floors: dict[str, float] = {}
+    floors: dict[str, list[float]] = {}
     for strategy in strategies:
         runs = {}
         for implementation in ("lightning", "lightning-fsdp", "background"):
@@ -458,9 +462,12 @@ def main(argv: list[str] | None = None) -> int:
                 # the floor in the same run, right after the save it bounds: the same bytes, the same processes
                 floor_path = args.workdir / f"{strategy}-floor.bin"
                 floor_cfg = {**cfg, "implementation": "floor", "path": str(floor_path), "bytes": path.stat().st_size}
-                print(f"bench_save: {strategy} write floor ...", flush=True)
-                floors[strategy] = max(rank["seconds"] for rank in _run_case(floor_cfg, _floor_worker))
-                floor_path.unlink()
+                samples = []
+                for sample in range(args.floor_samples):
+                    print(f"bench_save: {strategy} write floor ({sample + 1} of {args.floor_samples}) ...", flush=True)
+                    samples.append(max(rank["seconds"] for rank in _run_case(floor_cfg, _floor_worker)))
+                    floor_path.unlink()
+                floors[strategy] = samples
         ours, reference = args.workdir / f"{strategy}-lightning-fsdp.ckpt", args.workdir / f"{strategy}-lightning.ckpt"
         verdict = _compare(ours, reference)
         background_verdict = _compare(args.workdir / f"{strategy}-background.ckpt", reference)
@@ -506,12 +513,15 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts)
             + f", other (copies, Python, the barrier after it) {other:.2f} s"
         )
-        over_floor = ours_seconds / floors[strategy]
+        samples = floors[strategy]
+        floor = statistics.median(samples)
+        over_floor = ours_seconds / floor
         targets.append(
             f"- {strategy}: the write floor ({args.ranks} processes writing the file's"
-            f" {_gb(ours.stat().st_size)} by positioned writes, then `fsync`) took {floors[strategy]:.2f} s; the"
-            f" synchronous save {ours_seconds:.1f} s = {over_floor:.2f}x the floor (target <= 1.5:"
-            f" {'met' if over_floor <= 1.5 else 'NOT met'})"
+            f" {_gb(ours.stat().st_size)} by positioned writes, then `fsync`) took"
+            f" {', '.join(f'{sample:.2f}' for sample in samples)} s in {len(samples)} sample(s), median {floor:.2f} s;"
+            f" the synchronous save {ours_seconds:.1f} s = {over_floor:.2f}x the median floor (target <= 1.5:"
+            f" {'met' if over_floor <= 1.5 else 'NOT met'}; {ours_seconds / max(samples):.2f}x the slowest sample)"
         )
         measured[strategy] = runs
     text = "\n".join(
