@@ -8,11 +8,11 @@
 # the suite would run them a third time. `pytest tests` runs everything.
 # (Running the checks beside the suite at a lower CPU priority was tried on 2026-12-04: on 2 cores the suite leaves
 # too little idle time, and the checks took 1189 s instead of about 250.)
-# Usage: tools/test_all.sh [PYTHON] [PYTEST_WORKERS]   (defaults: .venv/bin/python, 2)
+# Usage: tools/test_all.sh [PYTHON] [PYTEST_WORKERS]   (defaults: .venv/bin/python, 3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}
-WORKERS=${2:-2}
+WORKERS=${2:-3}
 started=$(date +%s)
 # the 25 slowest tests at the end: where the next cut of the suite's time is
 "$PY" -m pytest tests -q -n "$WORKERS" --dist worksteal --ignore=tests/tests_fabric/core --durations=25
