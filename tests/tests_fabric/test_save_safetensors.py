@@ -286,3 +286,31 @@ def test_export_plan_splits_as_huggingface_hub_and_refuses_converted_weights() -
     with pytest.raises(export.ExportUnsupported, match="converted names"):
         export.plan(_entries(mixtral), mixtral, 10**9)
     assert export.plan(_entries(mixtral), mixtral, None).files[0].name == ""
+
+
+def test_export_writes_every_dtype_under_the_name_safetensors_gives_it(tmp_path: Path) -> None:
+    """One dtype table for the reader and the export; each name is the one `safetensors.torch.save_file` writes, and
+    the export's plan takes float8 and uint16 tensors (the export's own table refused them; the gather-free writer's
+    plan still refuses a dtype that `torch.save` names no storage class for, in either format)."""
+    import json
+    import struct
+
+    from safetensors.torch import save_file
+
+    from lightning_fsdp.loading import safetensors_header
+    from lightning_fsdp.saving import export
+
+    assert {name: dtype for dtype, name in export.DTYPES.items()} == safetensors_header.DTYPES
+    tensors = {str(dtype): torch.zeros(2, dtype=dtype) for dtype in export.DTYPES}
+    save_file(tensors, tmp_path / "all.safetensors")
+    data = (tmp_path / "all.safetensors").read_bytes()
+    header = json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]])
+    assert {key: header[key]["dtype"] for key in tensors} == {str(dtype): name for dtype, name in export.DTYPES.items()}
+
+    model = torch.nn.Module()
+    model.register_buffer("scale", torch.zeros(4, dtype=torch.float8_e4m3fn))
+    model.register_buffer("ids", torch.zeros(3, dtype=torch.uint16))
+    assert [tensors for file in export.plan(_entries(model), model, None).files for tensors in file.tensors] == [
+        ("scale", 0),
+        ("ids", 1),
+    ]

@@ -25,7 +25,8 @@ _HEADER_SIZE_BYTES = 8
 _METADATA_KEY = "__metadata__"
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 
-_DTYPES = {
+#: The dtypes of the safetensors format by their names in a header (the export writes the same names).
+DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -122,7 +123,7 @@ def _entry(path: Path, name: str, value: Any) -> tuple[str, int, int, TensorSpec
     # Run for every tensor of every file: checks by `type` and C-level scans, the same rules as the library's.
     if type(value) is not dict or value.keys() != _ENTRY_KEYS:
         raise _invalid(path, f"the entry of {name!r} is not {{dtype, shape, data_offsets}}")
-    dtype = _DTYPES.get(value["dtype"]) if type(value["dtype"]) is str else None
+    dtype = DTYPES.get(value["dtype"]) if type(value["dtype"]) is str else None
     if dtype is None:
         raise _invalid(path, f"the tensor {name!r} has dtype {value['dtype']!r}, which the loader does not read")
     shape, offsets = value["shape"], value["data_offsets"]

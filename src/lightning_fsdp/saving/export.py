@@ -35,6 +35,7 @@ import torch
 from torch.nn import Module
 
 from lightning_fsdp.layouts.targets import clean_name
+from lightning_fsdp.loading import safetensors_header
 
 #: ``save_pretrained``'s default ``max_shard_size`` in transformers 5.
 DEFAULT_MAX_SHARD_SIZE = "50GB"
@@ -43,18 +44,8 @@ INDEX_NAME = "model.safetensors.index.json"
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
-DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+#: The name of each dtype in a safetensors header: the reader's table (one table for both), inverted.
+DTYPES = {dtype: name for name, dtype in safetensors_header.DTYPES.items()}
 
 
 class ExportUnsupported(Exception):
