@@ -308,7 +308,13 @@ def test_host_buffers_reserve_at_the_first_step_and_lay_out_every_save():
     assert starts == sorted(set(starts))
     again = buffers.views(sizes, pin=False)
     assert [view.data_ptr() for view in again] == [view.data_ptr() for view in views]  # reused, overflow included
-    smaller = buffers.views([(4, torch.float32)], pin=False)  # the model shrank: no more than one copy is held
-    assert buffers.arena is not arena
-    assert buffers.arena.numel() == 16
+    weights = buffers.views([(32, torch.float32), (4, torch.float32)], pin=False)  # an export: the arena's start
+    assert buffers.arena is arena
+    assert [view.data_ptr() for view in weights] == [view.data_ptr() for view in views[:2]]
+    unreserved = HostBuffers()  # no optimizer stepped: the first save sizes the arena, and a smaller model shrinks it
+    first = unreserved.views(sizes, pin=False)[0]
+    assert unreserved.arena is not None
+    assert first.data_ptr() == unreserved.arena.data_ptr()
+    smaller = unreserved.views([(4, torch.float32)], pin=False)  # no more than one copy is held
+    assert unreserved.arena.numel() == 16
     assert smaller[0].numel() == 4

@@ -89,8 +89,9 @@ class HostBuffers:
         """One 1-D tensor of ``numel`` elements of ``dtype`` per entry of ``sizes``, in the arena where they fit.
 
         Without an arena (no optimizer stepped), or in one that is pinned where ``pin`` is not (or the reverse), or
-        more than twice as large as needed (the model shrank: no more than one copy is held), an arena of exactly
-        what ``sizes`` need replaces it.
+        more than twice as large as both this save and the reservation need (the model shrank: no more than one copy
+        is held), an arena of exactly what ``sizes`` need replaces it. A save of less than the reservation (an export
+        of the weights alone) uses the start of the arena.
 
         """
         self._wait_reserved()
@@ -100,7 +101,7 @@ class HostBuffers:
             end = -(-end // _ALIGNMENT) * _ALIGNMENT + numel * dtype.itemsize
             ends.append(end)
         arena = self.arena
-        if arena is None or arena.is_pinned() != pin or arena.numel() > 2 * end:
+        if arena is None or arena.is_pinned() != pin or arena.numel() > 2 * max(end, sum(self._reserved.values())):
             arena = self.arena = torch.empty(end, dtype=torch.uint8, pin_memory=pin)
             self._overflow.clear()
         views = []
