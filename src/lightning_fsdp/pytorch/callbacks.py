@@ -21,7 +21,7 @@ class LoadWeights(Callback):
     The weights come from a raw state dict (``lit-llama.pth``), a ``.safetensors`` file, a Hugging Face checkpoint
     (its ``*.index.json`` or folder), a sharded directory, or a checkpoint that the Trainer wrote (its model weights
     alone: fine-tuning from a resume file), in local or object storage. They are loaded shard-locally into the
-    set-up model by :meth:`lightning_fsdp.pytorch.FSDPStrategy.load_weights` (or ``ModelParallelStrategy``'s), with
+    set-up model by the strategy's :meth:`~lightning_fsdp.pytorch.checkpoints.TrainerCheckpoints.load_weights`, with
     Fabric's name checks, rename advice and errors. A run that resumes (``trainer.fit(model, ckpt_path=...)``) takes
     its weights from that checkpoint instead, and this callback loads nothing.
 
@@ -33,7 +33,8 @@ class LoadWeights(Callback):
     Args:
         path: The checkpoint (a file, a folder, or a URL such as ``s3://bucket/model.safetensors``).
         strict: Whether the checkpoint must hold exactly the model's tensors; ``False`` loads what matches and warns.
-        rename: Maps the checkpoint's names to the model's (see :meth:`lightning_fsdp.FSDPStrategy.load_options`).
+        rename: Maps the checkpoint's names to the model's (see
+            :meth:`~lightning_fsdp.strategy_options.CheckpointOptions.load_options`).
         storage_options: Options of the fsspec file system that reads a URL.
         weights_only: Unpickle only tensors and plain containers (the default). ``False`` only for a trusted file.
 

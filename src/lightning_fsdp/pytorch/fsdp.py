@@ -17,15 +17,13 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import FSDPStrategy as _FSDPStrategy
 from torch.nn import Module
@@ -34,16 +32,8 @@ from typing_extensions import override
 
 from lightning_fsdp.devices import _check_cluster_environment, _check_distinct_devices
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
-from lightning_fsdp.pytorch.loading import is_fitting, load_weights, resume
-from lightning_fsdp.pytorch.saving import (
-    Deferred,
-    fill_gathered,
-    hooks_allow_stand_ins,
-    save_without_gather,
-)
-from lightning_fsdp.saving.background import sharded_saves_in_background
+from lightning_fsdp.pytorch.checkpoints import TrainerCheckpoints
 from lightning_fsdp.strategy import _full_state_dict_type, cpu_wrapper_kwargs, wrap_on_cpu
-from lightning_fsdp.strategy_options import CheckpointOptions
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -52,7 +42,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
 
-class FSDPStrategy(CheckpointOptions, _FSDPStrategy):
+class FSDPStrategy(TrainerCheckpoints, _FSDPStrategy):
     r"""The Trainer's :class:`~lightning.pytorch.strategies.FSDPStrategy`, on CPU too, with shard-local loads.
 
     It accepts every argument of the upstream class and behaves the same on CUDA. In addition:
@@ -78,6 +68,10 @@ class FSDPStrategy(CheckpointOptions, _FSDPStrategy):
             The host memory of that copy is reserved after an optimizer's first step, in a thread.
 
     """
+
+    _fsdp2 = False
+    _sharded_module_key = "model"
+    _upstream_module = "lightning.pytorch.strategies.fsdp"
 
     def __init__(
         self,
@@ -163,55 +157,6 @@ class FSDPStrategy(CheckpointOptions, _FSDPStrategy):
         with enable_wrap(wrapper_cls=FullyShardedDataParallel, **cpu_wrapper_kwargs(self, self.kwargs)):
             yield
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state for a checkpoint: a stand-in that :meth:`save_checkpoint` fills without a gather.
-
-        See :mod:`lightning_fsdp.pytorch.saving`. Where the save cannot serve, upstream's state (for a full checkpoint,
-        gathered on rank 0).
-
-        """
-        assert self.model is not None
-        if self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer):
-            return Deferred(self.model)
-        return self._gathered_module_state()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, torch.Tensor]:
-        """An optimizer's state for a checkpoint: a stand-in, as for :meth:`lightning_module_state_dict`."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        if self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer):
-            return Deferred(optimizer)
-        return self._gathered_optimizer_state(optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Save a checkpoint; a full one (``state_dict_type="full"``) without a gather, each rank its own slices.
-
-        The file is the one upstream writes, byte for byte, written by every rank at once into a temporary file that
-        replaces ``filepath`` once every rank has succeeded (:func:`lightning_fsdp.saving.save_full_checkpoint`);
-        its folder is created as upstream creates it. Where that cannot serve (an ``on_save_checkpoint`` hook that
-        changed the model's or an optimizer's state, a layout the writer does not know), the states are gathered on
-        rank 0 and saved as upstream saves them, with one warning.
-
-        """
-        self.wait_for_save()
-        if (
-            self.model is not None
-            and self._saves_without_gather()
-            and storage_options is None
-            and save_without_gather(self, checkpoint, filepath, fsdp2=False)
-        ):
-            return
-        fill_gathered(checkpoint, self._gathered_module_state, self._gathered_optimizer_state)
-        saves = self._background_saves if self._state_dict_type == "sharded" else None
-        with (
-            torch_internal_warnings_silenced(),
-            sharded_saves_in_background(saves, "lightning.pytorch.strategies.fsdp"),
-        ):
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
     def _saves_without_gather(self) -> bool:
         # FSDP1 with flat parameters (`use_orig_params=False`): upstream's full optimizer state fails to re-key
         # ("Each parameter should only map to one parameter name"), so there is no file of upstream's to write
@@ -221,9 +166,15 @@ class FSDPStrategy(CheckpointOptions, _FSDPStrategy):
             and bool(self.kwargs.get("use_orig_params", True))
         )
 
+    def _saves_sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
+
+    def _upstream_save_context(self) -> AbstractContextManager:
+        return torch_internal_warnings_silenced()
+
     def _gathered_module_state(self) -> dict[str, Any]:
         if self._state_dict_type != "full" or not self._on_cpu():
-            return super().lightning_module_state_dict()
+            return super()._gathered_module_state()
         assert self.model is not None
         # on a CPU model, FSDP's offload to CPU returns views of storage that it frees right after: assemble without it
         with _full_state_dict_type(self.model, rank0_only=True, offload_to_cpu=False):
@@ -231,7 +182,7 @@ class FSDPStrategy(CheckpointOptions, _FSDPStrategy):
 
     def _gathered_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._state_dict_type != "full" or not self._on_cpu():
-            return super().optimizer_state(optimizer)
+            return super()._gathered_optimizer_state(optimizer)
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import OptimStateKeyType
 
@@ -242,48 +193,6 @@ class FSDPStrategy(CheckpointOptions, _FSDPStrategy):
                 # upstream's format: keyed by index, as a plain optimizer saves it
                 state_dict = FSDP.rekey_optim_state_dict(state_dict, OptimStateKeyType.PARAM_ID, self.model)
             return state_dict
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Restore the model and, when fitting, the optimizers from a checkpoint; return its other entries.
-
-        A full checkpoint file is read shard-locally (see :func:`lightning_fsdp.pytorch.loading.resume`), on any number
-        of ranks; a sharded directory goes through Fabric's validated reader. Unlike upstream, the returned checkpoint
-        holds neither ``state_dict`` nor ``optimizer_states``: the model and optimizers hold them already, and a copy
-        of the full optimizer state on every rank is what a shard-local load avoids.
-
-        """
-        self.wait_for_save()
-        assert self.model is not None
-        assert self.lightning_module is not None
-        return resume(
-            self,
-            checkpoint_path,
-            self.model,
-            list(self.optimizers),
-            is_fitting(self.lightning_module._trainer),
-            self.lightning_module.strict_loading,
-            weights_only,
-            "FSDPStrategy",
-            sharded_module_key="model",
-        )
-
-    def load_weights(self, path: _PATH, strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
-        """Load the model's weights alone from ``path``, shard-locally, into the set-up model.
-
-        ``path`` is a raw state dict (``torch.save(model.state_dict())``, zip or legacy format), a ``.safetensors``
-        file, a Hugging Face checkpoint (its ``*.index.json`` or folder), a sharded directory, or a checkpoint that the
-        Trainer wrote (its ``state_dict``; nothing else of it is restored), in local or object storage (with the
-        ``storage_options`` of :meth:`load_options`). Names, shapes and dtypes are checked on every rank before
-        anything is written, with Fabric's rename advice; ``strict=False`` loads what matches and warns about the
-        rest. The :class:`~lightning_fsdp.pytorch.LoadWeights` callback calls this at the start of fitting.
-
-        Returns:
-            The checkpoint's entries that were not loaded (``{}`` for a file of weights alone).
-
-        """
-        assert self.model is not None, "`load_weights` needs the model set up: call it once the Trainer has started"
-        return load_weights(self, path, self.model, strict, weights_only, "FSDPStrategy", sharded_module_key="model")
 
     def _on_cpu(self) -> bool:
         return self.parallel_devices is not None and self.root_device.type == "cpu"

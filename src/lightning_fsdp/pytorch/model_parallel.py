@@ -17,27 +17,15 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy as _ModelParallelStrategy
-from torch.optim import Optimizer
-from typing_extensions import override
 
-from lightning_fsdp.pytorch.loading import is_fitting, load_weights, resume
-from lightning_fsdp.pytorch.saving import (
-    Deferred,
-    fill_gathered,
-    hooks_allow_stand_ins,
-    save_without_gather,
-)
-from lightning_fsdp.saving.background import sharded_saves_in_background
-from lightning_fsdp.strategy_options import CheckpointOptions
+from lightning_fsdp.pytorch.checkpoints import TrainerCheckpoints
 
 
-class ModelParallelStrategy(CheckpointOptions, _ModelParallelStrategy):
+class ModelParallelStrategy(TrainerCheckpoints, _ModelParallelStrategy):
     r"""The Trainer's :class:`~lightning.pytorch.strategies.ModelParallelStrategy`, with shard-local loads.
 
     It accepts every argument of the upstream class and behaves the same, except for loading:
@@ -54,6 +42,10 @@ class ModelParallelStrategy(CheckpointOptions, _ModelParallelStrategy):
             :meth:`wait_for_save` and the end of the run wait for it (see :mod:`lightning_fsdp.saving.background`).
 
     """
+
+    _fsdp2 = True
+    _sharded_module_key = "state_dict"
+    _upstream_module = "lightning.pytorch.strategies.model_parallel"
 
     def __init__(
         self,
@@ -76,71 +68,8 @@ class ModelParallelStrategy(CheckpointOptions, _ModelParallelStrategy):
         )
         self._init_checkpoint_options(load_concurrency, load_progress, save_in_background)
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """A stand-in that :meth:`save_checkpoint` fills without a gather, for a full checkpoint; else upstream's."""
-        assert self.model is not None
-        if self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer):
-            return Deferred(self.model)
-        return super().lightning_module_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """A stand-in, as for :meth:`lightning_module_state_dict`; else upstream's."""
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        if self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer):
-            return Deferred(optimizer)
-        return super().optimizer_state(optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Save a checkpoint; a full one (``save_distributed_checkpoint=False``) without a gather.
-
-        See :meth:`lightning_fsdp.pytorch.FSDPStrategy.save_checkpoint`.
-
-        """
-        self.wait_for_save()
-        if (
-            self.model is not None
-            and self._saves_without_gather()
-            and storage_options is None
-            and save_without_gather(self, checkpoint, filepath, fsdp2=True)
-        ):
-            return
-        fill_gathered(checkpoint, super().lightning_module_state_dict, super().optimizer_state)
-        saves = self._background_saves if self._save_distributed_checkpoint else None
-        with sharded_saves_in_background(saves, "lightning.pytorch.strategies.model_parallel"):
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+    def _saves_sharded(self) -> bool:
+        return self._save_distributed_checkpoint
 
     def _saves_without_gather(self) -> bool:
         return not self._save_distributed_checkpoint and self.parallel_devices is not None
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Restore the model and, when fitting, the optimizers; return the checkpoint's other entries.
-
-        See :meth:`lightning_fsdp.pytorch.FSDPStrategy.load_checkpoint`.
-
-        """
-        self.wait_for_save()
-        assert self.model is not None
-        assert self.lightning_module is not None
-        return resume(
-            self,
-            checkpoint_path,
-            self.model,
-            list(self.optimizers),
-            is_fitting(self.lightning_module._trainer),
-            self.lightning_module.strict_loading,
-            weights_only,
-            "ModelParallelStrategy",
-            sharded_module_key="state_dict",
-        )
-
-    def load_weights(self, path: _PATH, strict: bool = True, weights_only: bool = True) -> dict[str, Any]:
-        """Load the model's weights alone; see :meth:`lightning_fsdp.pytorch.FSDPStrategy.load_weights`."""
-        assert self.model is not None, "`load_weights` needs the model set up: call it once the Trainer has started"
-        return load_weights(
-            self, path, self.model, strict, weights_only, "ModelParallelStrategy", sharded_module_key="state_dict"
-        )
