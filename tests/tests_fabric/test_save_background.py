@@ -318,3 +318,28 @@ def test_host_buffers_reserve_at_the_first_step_and_lay_out_every_save():
     smaller = unreserved.views([(4, torch.float32)], pin=False)  # no more than one copy is held
     assert unreserved.arena.numel() == 16
     assert smaller[0].numel() == 4
+
+
+def test_a_reservation_that_fails_leaves_the_save_to_allocate(monkeypatch):
+    """Memory that cannot be had at the first step: no error from the thread; the save allocates what it needs."""
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    buffers = HostBuffers()
+    real_empty = torch.empty
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)  # what an exception in a thread would print
+    monkeypatch.setattr(torch, "empty", no_memory)
+    buffers.reserve_for(optimizer)
+    buffers._wait_reserved()
+    assert buffers.arena is None
+    assert raised == []
+    monkeypatch.setattr(torch, "empty", real_empty)
+    views = buffers.views([(32, torch.float32)], pin=False)
+    assert buffers.arena is not None
+    assert views[0].numel() == 32

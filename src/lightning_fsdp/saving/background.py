@@ -76,8 +76,13 @@ class HostBuffers:
         self._reserving.start()
 
     def _allocate(self, nbytes: int, pin: bool) -> None:
-        arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        arena.zero_()  # every page touched here: the kernel maps them now, not while the first save copies
+        try:
+            arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            arena.zero_()  # every page touched here: the kernel maps them now, not while the first save copies
+        except (MemoryError, RuntimeError):
+            # no traceback from a thread in the middle of training: the save allocates what it needs itself, and
+            # raises there, in its own error, if the memory is still not to be had
+            return
         self.arena = arena
 
     def _wait_reserved(self) -> None:
