@@ -43,7 +43,7 @@ class TrainerCheckpoints(CheckpointOptions):
 
         """
         assert self.model is not None
-        if self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer):
+        if self._fills_stand_ins():
             return Deferred(self.model)  # type: ignore[return-value]
         return self._gathered_module_state()
 
@@ -51,7 +51,7 @@ class TrainerCheckpoints(CheckpointOptions):
         """An optimizer's state for a checkpoint: a stand-in, as for :meth:`lightning_module_state_dict`."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer):
+        if self._fills_stand_ins():
             return Deferred(optimizer)  # type: ignore[return-value]
         return self._gathered_optimizer_state(optimizer)
 
@@ -131,6 +131,10 @@ class TrainerCheckpoints(CheckpointOptions):
     def _strategy_name(self) -> str:
         """The name that errors give the strategy: Lightning's class's, which this one's shares."""
         return "ModelParallelStrategy" if self._fsdp2 else "FSDPStrategy"
+
+    def _fills_stand_ins(self) -> bool:
+        """Whether the save fills stand-ins without a gather: a full checkpoint, and no hook that reads the states."""
+        return self._saves_without_gather() and hooks_allow_stand_ins(self.lightning_module._trainer)
 
     def _saves_without_gather(self) -> bool:
         raise NotImplementedError
