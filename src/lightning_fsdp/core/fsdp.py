@@ -94,12 +94,13 @@ def _load_full_checkpoint(
     """Load a full checkpoint or a module state dict, each rank copying only its own part of every tensor.
 
     A file that can be read lazily (a zip-format ``torch.save`` file, safetensors, a Hugging Face index) is opened on
-    every rank at once; one that has to be read whole (the legacy ``torch.save`` format, a file in object storage) is
-    read by one rank of a node at a time, so that a node never holds more than one copy. On each rank, everything that
-    can fail is checked before anything is written: a rank whose load fails leaves its model and optimizers as they
-    were (in turns, the ranks before it may have loaded). An error on one rank is raised on every rank. The ranks wait
-    for each other in collectives of the default process group (a broadcast, a barrier per turn, one
-    ``all_gather_object``), which the group's timeout bounds (the strategy's ``timeout``).
+    every rank at once, and every rank checks the checkpoint against its part of the model and optimizers before any
+    rank writes: an error on one rank leaves every rank's model and optimizers as they were. A file that has to be read
+    whole (the legacy ``torch.save`` format, a file in object storage) is read by one rank of a node at a time, so that
+    a node never holds more than one copy; each rank checks and writes in its own turn, so a rank that fails leaves
+    its own model and optimizers as they were, and the ranks before it may have loaded. An error on one rank is raised
+    on every rank. The ranks wait for each other in collectives of the default process group (a broadcast, a barrier
+    per turn, an ``all_gather_object`` per step), which the group's timeout bounds (the strategy's ``timeout``).
 
     Args:
         strategy: The strategy: its local rank and number of processes set the turns.
@@ -118,28 +119,44 @@ def _load_full_checkpoint(
     """
     if state is not None and weights_only is None and not _is_raw_checkpoint_file(path):
         weights_only = False
-    load = partial(_load_full_checkpoint_into, path, module, layout, state, strict, weights_only)
-    # every rank reads only the pages of its own slices of a memory-mapped file, at once; rank 0's file decides, so
-    # that every rank runs the same collectives whatever it finds at the path
+    check = partial(_check_full_checkpoint, path, module, layout, state, strict, weights_only)
+    # rank 0's file decides, so that every rank runs the same collectives whatever it finds at the path
     mmappable = strategy.broadcast(_is_mmappable(path))
     if mmappable:
-        return _run_in_turn(load, strategy, turn=0, turns=1)
+        # every rank reads only the pages of its own slices of a memory-mapped file, at once
+        checked = _run_in_turn(check, strategy, turn=0, turns=1)
+        return _run_in_turn(partial(_write_full_checkpoint, checked, layout, state), strategy, turn=0, turns=1)
+
+    # read whole: a rank holds the file in its turn only, so it checks and writes there
+    def load() -> dict[str, Any]:
+        return _write_full_checkpoint(check(), layout, state)
+
     return _run_in_turn(load, strategy, turn=strategy.local_rank, turns=max(strategy.num_processes, 1))
 
 
-def _load_full_checkpoint_into(
+class _CheckedCheckpoint(NamedTuple):
+    """A checkpoint checked against the model and optimizers, of which nothing was written yet."""
+
+    module_state: Mapping[str, Any]
+    sources: dict[str, str]
+    optimizer_states: dict[str, dict[str, Any]]
+    rest: dict[str, Any]
+    """The checkpoint's other entries: those in ``keys`` are restored into the state, the others returned."""
+    keys: set[str]
+
+
+def _check_full_checkpoint(
     path: _PATH,
     module: Module,
     layout: "_Layout",
     state: Optional[dict[str, Any]],
     strict: bool,
     weights_only: Optional[bool],
-) -> dict[str, Any]:
+) -> _CheckedCheckpoint:
     checkpoint = _lazy_load_state_dict(path, weights_only=weights_only)
     if state is None:
         # `fabric.load_raw`: the file is the module's state dict
-        _load_module_state(checkpoint, module, layout, strict)
-        return {}
+        return _CheckedCheckpoint(checkpoint, _check_module_state(checkpoint, module, layout, strict), {}, {}, set())
     module_key = next(key for key, value in state.items() if value is module)
     if _is_raw_checkpoint_file(path) or (module_key not in checkpoint and _is_raw_state_dict(checkpoint)):
         # a module state dict (`torch.save(model.state_dict())`, safetensors): nothing else was saved with it
@@ -148,17 +165,26 @@ def _load_full_checkpoint_into(
     _validate_keys_for_strict_loading(state.keys() - {module_key}, checkpoint.keys(), strict=strict)
     module_state = checkpoint.pop(module_key)
     sources = _check_module_state(module_state, module, layout, strict)
-    # the optimizers' states are sliced (and checked) before anything is written: an error leaves everything untouched
+    # the optimizers' states are sliced (and checked) before anything is written
     optimizer_states = {
         key: _local_optimizer_state(checkpoint.pop(key), optim, layout)
         for key, optim in optimizers.items()
         if key in checkpoint
     }
-    _copy_module_state(module_state, sources, layout)
-    for key, optimizer_state in optimizer_states.items():
-        optimizers[key].load_state_dict(optimizer_state)
-    _move_state_into(source=checkpoint, destination=state, keys=state.keys() - {module_key} - optimizers.keys())
-    return checkpoint
+    keys = state.keys() - {module_key} - optimizers.keys()
+    return _CheckedCheckpoint(module_state, sources, optimizer_states, checkpoint, keys)
+
+
+def _write_full_checkpoint(
+    checked: _CheckedCheckpoint, layout: "_Layout", state: Optional[dict[str, Any]]
+) -> dict[str, Any]:
+    _copy_module_state(checked.module_state, checked.sources, layout)
+    if state is None:
+        return {}
+    for key, optimizer_state in checked.optimizer_states.items():
+        state[key].load_state_dict(optimizer_state)
+    _move_state_into(source=checked.rest, destination=state, keys=checked.keys)
+    return checked.rest
 
 
 def _run_in_turn(fn: Callable[[], _T], strategy: ParallelStrategy, turn: int, turns: int) -> _T:
@@ -326,6 +352,26 @@ def _viewed_as(shape: torch.Size, flat: Tensor) -> Tensor:
     return flat.view(shape)
 
 
+def _match_module_state(state_dict: Mapping[str, Any], layout: _Layout) -> tuple[dict[str, str], list[str], list[str]]:
+    """Which entry of ``state_dict`` feeds each tensor in ``layout.shards``, and the missing and unexpected names.
+
+    A tensor is fed by the entry of its own name, else by the entry of a name tied to it. Missing and unexpected names
+    are counted as :meth:`torch.nn.Module.load_state_dict` counts them: every name of the model's state dict, tied ones
+    included, is expected. Shapes are not compared, and nothing is read.
+
+    """
+    shards, tied = layout.shards, layout.tied
+    sources = {}
+    for name in shards:
+        aliases = (alias for alias, primary in tied.items() if primary == name and alias in state_dict)
+        source = name if name in state_dict else next(aliases, None)
+        if source is not None:
+            sources[name] = source
+    unexpected = [name for name in state_dict if name not in shards and name not in tied]
+    missing = [name for name in [*shards, *tied] if name not in state_dict]
+    return sources, missing, unexpected
+
+
 def _check_module_state(state_dict: Mapping[str, Any], module: Module, layout: _Layout, strict: bool) -> dict[str, str]:
     """Which entry of ``state_dict`` feeds each tensor in ``layout.shards``; nothing is read or written.
 
@@ -333,24 +379,14 @@ def _check_module_state(state_dict: Mapping[str, Any], module: Module, layout: _
     ``strict=False`` missing and unexpected names are skipped.
 
     """
-    shards, tied = layout.shards, layout.tied
-    sources = {}
-    errors = []
-    for name, shard in shards.items():
-        aliases = (alias for alias, primary in tied.items() if primary == name and alias in state_dict)
-        source = name if name in state_dict else next(aliases, None)
-        if source is None:
-            continue
-        shape = _shape_of(state_dict[source])
-        if shape != shard.shape:
-            errors.append(
-                f"size mismatch for {name}: copying a param with shape {shape} from checkpoint, the shape in current"
-                f" model is {shard.shape}."
-            )
-        sources[name] = source
+    sources, missing, unexpected = _match_module_state(state_dict, layout)
+    errors = [
+        f"size mismatch for {name}: copying a param with shape {_shape_of(state_dict[source])} from checkpoint, the"
+        f" shape in current model is {layout.shards[name].shape}."
+        for name, source in sources.items()
+        if _shape_of(state_dict[source]) != layout.shards[name].shape
+    ]
     if strict:
-        unexpected = [name for name in state_dict if name not in shards and name not in tied]
-        missing = [name for name in [*shards, *tied] if name not in state_dict]
         if unexpected:
             errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
         if missing:
