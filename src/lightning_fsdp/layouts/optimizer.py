@@ -11,11 +11,10 @@ Layer: shared infrastructure (``lightning_fsdp.layouts``), used by loading and s
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch.optim import Optimizer
 
-from lightning_fsdp.core.fsdp import _Layout, _local_optimizer_state, _Param, _Piece, _Shard
-from lightning_fsdp.layouts.targets import ModuleTargets
+from lightning_fsdp.core.fsdp import _Layout, _local_optimizer_state, _Param, _Piece
+from lightning_fsdp.layouts.targets import ModuleTargets, names_layout
 from lightning_fsdp.loading.errors import CheckpointLoadError
 
 
@@ -49,8 +48,8 @@ def local_optimizer_state(optimizer: Optimizer, collected: ModuleTargets, full_s
 
 def core_layout(collected: ModuleTargets) -> _Layout:
     """The core's layout of what an optimizer state needs: each parameter's pieces, each tensor's full shape."""
-    shards = {target.names[0]: _Shard(torch.Size(target.shape), torch.empty(0), ()) for target in collected.targets}
-    params = {}
+    layout = names_layout(collected.specs())
+    layout.param_names.extend(collected.param_names)
     for key, param in collected.optimizer_params.items():
         pieces = []
         for target, runs in param.parts:
@@ -58,5 +57,5 @@ def core_layout(collected: ModuleTargets) -> _Layout:
             pieces.extend(_Piece(name, run.offset, run.count, run.start) for run in runs)
             if not runs:  # the rank holds no element of it: listed all the same, its state must be there too
                 pieces.append(_Piece(name, 0, 0, 0))
-        params[key] = _Param(pieces, param.numel, param.to_state, param.has_state)
-    return _Layout(shards, {}, params, collected.param_names)
+        layout.params[key] = _Param(pieces, param.numel, param.to_state, param.has_state)
+    return layout

@@ -14,13 +14,17 @@ Layer: shared infrastructure (``lightning_fsdp.layouts``), used by loading and s
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from lightning_fsdp.core.fsdp import _Layout, _Shard
 from lightning_fsdp.loading.errors import CheckpointLoadError
+
+#: The tensor of a layout entry that stands for names and shapes only (nothing is read into or out of it).
+_NOTHING = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,18 @@ class ModuleTargets:
                 f"{len(on_meta)} tensor(s) of the model are on the meta device (e.g. {on_meta[0]!r}), so nothing can"
                 " be loaded into them. Call `fabric.setup_module(model)` (or `fabric.setup(model)`) before loading."
             )
+
+
+def names_layout(specs: Sequence[TargetSpec]) -> _Layout:
+    """The core's layout of the model's names and full shapes alone, for the core's matching of a checkpoint's names.
+
+    ``shards`` holds each tensor under its primary name, ``tied`` its other names (see
+    :func:`lightning_fsdp.core.fsdp._match_module_state`); no entry holds memory of the model.
+
+    """
+    shards = {spec.names[0]: _Shard(torch.Size(spec.shape), _NOTHING, ()) for spec in specs}
+    tied = {alias: spec.names[0] for spec in specs for alias in spec.names[1:]}
+    return _Layout(shards, tied, {}, [])
 
 
 def whole_target(name: str, tensor: Tensor, param: Tensor | None, collected: ModuleTargets) -> Target:

@@ -19,7 +19,8 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 
-from lightning_fsdp.layouts.targets import TargetSpec, clean_name
+from lightning_fsdp.core.fsdp import _match_module_state
+from lightning_fsdp.layouts.targets import TargetSpec, clean_name, names_layout
 from lightning_fsdp.loading.errors import SHOWN_NAMES, CheckpointLoadError, quoted_names, shown_items
 from lightning_fsdp.loading.sources import TensorSpec
 
@@ -215,17 +216,23 @@ def plan_load(
 def _match(
     targets: Sequence[TargetSpec], specs: Mapping[str, TensorSpec], originals: Mapping[str, str]
 ) -> tuple[NamePlan, list[str], list[str]]:
-    """The plan for the checkpoint's tensors under new names (``originals``: new name -> name in the file)."""
+    """The plan for the checkpoint's tensors under new names (``originals``: new name -> name in the file).
+
+    Which tensor feeds which, and which are unexpected, is the core's matching
+    (:func:`lightning_fsdp.core.fsdp._match_module_state`, as ``load_state_dict`` counts names); a model tensor is
+    missing only where none of its tied names is in the checkpoint. Then shapes and dtypes are compared.
+
+    """
     plan = NamePlan()
-    expected_names: set[str] = set()
     shape_mismatches: list[str] = []
     dtype_mismatches: list[str] = []
+    fed, _, unexpected = _match_module_state(originals, names_layout(targets))
     for target in targets:
-        expected_names.update(target.names)
-        source_name = _feeding(target, originals)
-        if source_name is None:
+        new_name = fed.get(target.names[0])
+        if new_name is None:
             plan.missing.append(target.names[0])
             continue
+        source_name = originals[new_name]
         spec = specs[source_name]
         if spec.shape != target.shape:
             shape_mismatches.append(f"{source_name!r}: checkpoint {_shape(spec.shape)}, model {_shape(target.shape)}")
@@ -236,7 +243,7 @@ def _match(
                 continue
             plan.casts[target.names[0]] = (spec.dtype, target.dtype)
         plan.sources[target.names[0]] = source_name
-    plan.unexpected = [original for name, original in originals.items() if name not in expected_names]
+    plan.unexpected = [originals[name] for name in unexpected]
     return plan, shape_mismatches, dtype_mismatches
 
 
