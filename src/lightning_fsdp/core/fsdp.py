@@ -117,9 +117,14 @@ def _load_full_checkpoint(
         The checkpoint's entries that ``state`` did not ask for (``{}`` for a module state dict).
 
     """
-    if state is not None and weights_only is None and not _is_raw_checkpoint_file(path):
+    raw_file = _is_raw_checkpoint_file(path)
+    if state is not None and weights_only is None and not raw_file:
         weights_only = False
-    check = partial(_check_full_checkpoint, path, module, layout, state, strict, weights_only)
+
+    def check() -> _CheckedCheckpoint:
+        checkpoint = _lazy_load_state_dict(path, weights_only=weights_only)
+        return _check_full_checkpoint(checkpoint, raw_file, module, layout, state, strict)
+
     # rank 0's file decides, so that every rank runs the same collectives whatever it finds at the path
     mmappable = strategy.broadcast(_is_mmappable(path))
     if mmappable:
@@ -146,19 +151,23 @@ class _CheckedCheckpoint(NamedTuple):
 
 
 def _check_full_checkpoint(
-    path: _PATH,
+    checkpoint: Mapping[str, Any],
+    raw_file: bool,
     module: Module,
     layout: "_Layout",
     state: Optional[dict[str, Any]],
     strict: bool,
-    weights_only: Optional[bool],
 ) -> _CheckedCheckpoint:
-    checkpoint = _lazy_load_state_dict(path, weights_only=weights_only)
+    """Check a (lazily read) checkpoint against the model and the optimizers in ``state``, writing nothing.
+
+    ``raw_file`` says that the file can only hold a module state dict (safetensors, a Hugging Face index).
+
+    """
     if state is None:
         # `fabric.load_raw`: the file is the module's state dict
         return _CheckedCheckpoint(checkpoint, _check_module_state(checkpoint, module, layout, strict), {}, {}, set())
     module_key = next(key for key, value in state.items() if value is module)
-    if _is_raw_checkpoint_file(path) or (module_key not in checkpoint and _is_raw_state_dict(checkpoint)):
+    if raw_file or (module_key not in checkpoint and _is_raw_state_dict(checkpoint)):
         # a module state dict (`torch.save(model.state_dict())`, safetensors): nothing else was saved with it
         checkpoint = {module_key: checkpoint}
     optimizers = {key: optim for key, optim in state.items() if isinstance(optim, Optimizer)}
