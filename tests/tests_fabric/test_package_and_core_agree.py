@@ -1,13 +1,14 @@
 """Where the package's loader and the core's (what goes upstream) both serve a load, they give the same result.
 
 The package loads with the core's layouts, name matching and optimizer slicing, and reads each slice by positioned
-reads straight into the parameter; the core is the series proposed to Lightning. Each case loads the same file into fresh objects twice through Fabric, once with this
-package's ``load_checkpoint`` and once with the core's on the same strategy object, and compares what every rank holds
-afterwards (its shards, its optimizer state and groups, the entries moved into ``state`` and the returned remainder),
-types, dtypes and devices included, then one optimizer step. The cases are those the two layers have disagreed on or
-could drift on: a Fabric full checkpoint with Adam, a full checkpoint whose optimizer state is keyed by parameter index
-(as a single-device run saves it), a raw state dict and a ``.safetensors`` file (``load_raw``), and a raw state dict
-with a missing and an unexpected name loaded with ``strict=False``, each on FSDP1 and FSDP2.
+reads straight into the parameter; the core is the series proposed to Lightning. Each case loads the same file into
+fresh objects twice through Fabric, once with this package's ``load_checkpoint`` and once with the core's on the same
+strategy object, and compares what every rank holds afterwards (its shards, its optimizer state and groups, the
+entries moved into ``state`` and the returned remainder), types, dtypes and devices included, then one optimizer step.
+The cases are those the two layers have disagreed on or could drift on: a Fabric full checkpoint with Adam, a full
+checkpoint whose optimizer state is keyed by parameter index (as a single-device run saves it), a raw state dict and a
+``.safetensors`` file (``load_raw``), and a raw state dict with a missing and an unexpected name loaded with
+``strict=False``, each on FSDP1 and FSDP2.
 """
 
 from functools import partial
