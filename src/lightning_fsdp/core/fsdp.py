@@ -414,11 +414,6 @@ def _copy_module_state(state_dict: Mapping[str, Any], sources: Mapping[str, str]
                 shard.local.copy_(_read_part(state_dict[source], shard.index, shard.local.numel()).view_as(shard.local))
 
 
-def _load_module_state(state_dict: Mapping[str, Any], module: Module, layout: _Layout, strict: bool = True) -> None:
-    """Check a full (lazily read) module state dict against the model, then copy this rank's part of every tensor."""
-    _copy_module_state(state_dict, _check_module_state(state_dict, module, layout, strict), layout)
-
-
 def _read_part(value: Any, index: _Index, numel: int) -> Tensor:
     """The part ``index`` of a tensor or a lazy slice: ``numel`` flat elements, or a box."""
     if isinstance(index, int):

@@ -9,7 +9,13 @@ import torch.nn as nn
 from lightning.fabric.accelerators import CPUAccelerator
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning_fsdp.core.fsdp import FSDPStrategy, _fsdp_layout, _load_full_checkpoint, _load_module_state
+from lightning_fsdp.core.fsdp import (
+    FSDPStrategy,
+    _check_module_state,
+    _copy_module_state,
+    _fsdp_layout,
+    _load_full_checkpoint,
+)
 from tests_fabric.helpers.runif import RunIf
 
 
@@ -137,7 +143,8 @@ def _run_reads_own_shards(strategy):
     model = _sharded(strategy)
     # rows of 7 elements: a rank whose shard starts or ends inside a row reads that row whole
     state_dict = {name: _CountingSource(tensor) for name, tensor in _model().state_dict().items()}
-    _load_module_state(state_dict, model, _fsdp_layout(model))
+    layout = _fsdp_layout(model)
+    _copy_module_state(state_dict, _check_module_state(state_dict, model, layout, strict=True), layout)
     total = sum(tensor.numel() for tensor in _model().state_dict().values())
     assert 0 < _CountingSource.read < total * 3 // 4
     _assert_equal_state(_full_state_dict(model), _model().state_dict())

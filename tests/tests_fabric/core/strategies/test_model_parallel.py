@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from lightning.fabric import Fabric
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning_fsdp.core.fsdp import _load_module_state
+from lightning_fsdp.core.fsdp import _check_module_state, _copy_module_state
 from lightning_fsdp.core.model_parallel import ModelParallelStrategy, _dtensor_layout
 from tests_fabric.helpers.runif import RunIf
 
@@ -252,7 +252,8 @@ class _CountingSource:
 def _run_reads_own_box(fabric):
     model = _setup(fabric)
     state_dict = {name: _CountingSource(tensor) for name, tensor in _state_dict().items()}
-    _load_module_state(state_dict, model, _dtensor_layout(model))
+    layout = _dtensor_layout(model)
+    _copy_module_state(state_dict, _check_module_state(state_dict, model, layout, strict=True), layout)
     local_numel = sum(tensor.to_local().numel() for tensor in model.parameters()) + model.scale.numel()
     assert _CountingSource.read == local_numel
     assert local_numel < sum(tensor.numel() for tensor in _state_dict().values())
