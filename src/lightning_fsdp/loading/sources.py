@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from lightning_fsdp.core.fsdp import _join as join
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.files import (
     CheckpointPath,
@@ -395,7 +394,7 @@ def map_tensors(obj: Any, replace: Callable[[str, Any], Any], each_place: bool =
 def _rebuild(value: Any, path: str, visit: Callable[[Any, str], Any], done: dict[int, tuple[Any, Any]]) -> Any:
     """A dict, list or tuple with each item visited; dicts and lists are registered before their items (cycles)."""
     if isinstance(value, tuple):
-        items = tuple(visit(item, join(path, str(index))) for index, item in enumerate(value))
+        items = tuple(visit(item, _child_path(path, index)) for index, item in enumerate(value))
         # A cycle through this tuple (via a list or dict inside it) built it already: keep that one.
         return done[id(value)][1] if id(value) in done else items
     # An `OrderedDict` stays one (`torch.load` returns it so, and optimizer code may rely on it); other mappings become
@@ -404,9 +403,9 @@ def _rebuild(value: Any, path: str, visit: Callable[[Any, str], Any], done: dict
     done[id(value)] = (value, result)
     if isinstance(value, Mapping):
         for key, item in value.items():
-            result[key] = visit(item, join(path, str(key)))
+            result[key] = visit(item, _child_path(path, key))
     else:
-        result.extend(visit(item, join(path, str(index))) for index, item in enumerate(value))
+        result.extend(visit(item, _child_path(path, index)) for index, item in enumerate(value))
     return result
 
 
@@ -444,6 +443,16 @@ def check_state_dict(state_dict: Mapping[Any, Any]) -> None:
             f" {shown}{', ...' if len(not_tensors) > 5 else ''}. A module state dict maps parameter and buffer"
             " names to tensors."
         )
+
+
+def _child_path(path: str, key: Any) -> str:
+    """The dotted path of the item ``key`` (any key of a dict, an index) of the container at ``path``.
+
+    Not the core's ``_join`` of module names: this module is imported where Lightning is not (``lightning-fsdp
+    inspect``), and a container's key may be empty or not a string.
+
+    """
+    return f"{path}.{key}" if path else str(key)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
