@@ -95,12 +95,13 @@ def _load_full_checkpoint(
 
     A file that can be read lazily (a zip-format ``torch.save`` file, safetensors, a Hugging Face index) is opened on
     every rank at once, and every rank checks the checkpoint against its part of the model and optimizers before any
-    rank writes: an error on one rank leaves every rank's model and optimizers as they were. A file that has to be read
-    whole (the legacy ``torch.save`` format, a file in object storage) is read by one rank of a node at a time, so that
-    a node never holds more than one copy; each rank checks and writes in its own turn, so a rank that fails leaves
-    its own model and optimizers as they were, and the ranks before it may have loaded. An error on one rank is raised
-    on every rank. The ranks wait for each other in collectives of the default process group (a broadcast, a barrier
-    per turn, an ``all_gather_object`` per step), which the group's timeout bounds (the strategy's ``timeout``).
+    rank writes: a checkpoint that does not fit, on any rank, leaves every rank's model and optimizers as they were. A
+    file that has to be read whole (the legacy ``torch.save`` format, a file in object storage) is read by one rank of
+    a node at a time, so that a node never holds more than one copy; each rank checks and writes in its own turn, so a
+    rank whose check fails leaves its model and optimizers as they were while the other ranks load. An error on one
+    rank is raised on every rank. The ranks wait for each other in collectives of the default process group (a
+    broadcast, a barrier per turn, an ``all_gather_object`` per step), which the group's timeout bounds (the strategy's
+    ``timeout``).
 
     Args:
         strategy: The strategy: its local rank and number of processes set the turns.
@@ -133,9 +134,7 @@ def _load_full_checkpoint(
         return _run_in_turn(partial(_write_full_checkpoint, checked, layout, state), strategy, turn=0, turns=1)
 
     # read whole: a rank holds the file in its turn only, so it checks and writes there
-    def load() -> dict[str, Any]:
-        return _write_full_checkpoint(check(), layout, state)
-
+    load = lambda: _write_full_checkpoint(check(), layout, state)  # noqa: E731
     return _run_in_turn(load, strategy, turn=strategy.local_rank, turns=max(strategy.num_processes, 1))
 
 
@@ -146,8 +145,6 @@ class _CheckedCheckpoint(NamedTuple):
     sources: dict[str, str]
     optimizer_states: dict[str, dict[str, Any]]
     rest: dict[str, Any]
-    """The checkpoint's other entries: those in ``keys`` are restored into the state, the others returned."""
-    keys: set[str]
 
 
 def _check_full_checkpoint(
@@ -165,11 +162,12 @@ def _check_full_checkpoint(
     """
     if state is None:
         # `fabric.load_raw`: the file is the module's state dict
-        return _CheckedCheckpoint(checkpoint, _check_module_state(checkpoint, module, layout, strict), {}, {}, set())
+        return _CheckedCheckpoint(checkpoint, _check_module_state(checkpoint, module, layout, strict), {}, {})
     module_key = next(key for key, value in state.items() if value is module)
     if raw_file or (module_key not in checkpoint and _is_raw_state_dict(checkpoint)):
         # a module state dict (`torch.save(model.state_dict())`, safetensors): nothing else was saved with it
         checkpoint = {module_key: checkpoint}
+    checkpoint = dict(checkpoint)
     optimizers = {key: optim for key, optim in state.items() if isinstance(optim, Optimizer)}
     _validate_keys_for_strict_loading(state.keys() - {module_key}, checkpoint.keys(), strict=strict)
     module_state = checkpoint.pop(module_key)
@@ -180,19 +178,20 @@ def _check_full_checkpoint(
         for key, optim in optimizers.items()
         if key in checkpoint
     }
-    keys = state.keys() - {module_key} - optimizers.keys()
-    return _CheckedCheckpoint(module_state, sources, optimizer_states, checkpoint, keys)
+    return _CheckedCheckpoint(module_state, sources, optimizer_states, checkpoint)
 
 
 def _write_full_checkpoint(
     checked: _CheckedCheckpoint, layout: "_Layout", state: Optional[dict[str, Any]]
 ) -> dict[str, Any]:
+    """Write a checked checkpoint into the model, the optimizers and ``state``; return the entries left over."""
     _copy_module_state(checked.module_state, checked.sources, layout)
     if state is None:
         return {}
     for key, optimizer_state in checked.optimizer_states.items():
         state[key].load_state_dict(optimizer_state)
-    _move_state_into(source=checked.rest, destination=state, keys=checked.keys)
+    # the module's and the optimizers' entries were taken out by the checks
+    _move_state_into(source=checked.rest, destination=state, keys=set(state))
     return checked.rest
 
 
@@ -382,19 +381,21 @@ def _match_module_state(state_dict: Mapping[str, Any], layout: _Layout) -> tuple
 
 
 def _check_module_state(state_dict: Mapping[str, Any], module: Module, layout: _Layout, strict: bool) -> dict[str, str]:
-    """Which entry of ``state_dict`` feeds each tensor in ``layout.shards``; nothing is read or written.
+    """Which entry of ``state_dict`` feeds each tensor in ``layout.shards``; no tensor data is read, nothing written.
 
     Names and shapes are checked, and reported as :meth:`torch.nn.Module.load_state_dict` reports them; with
     ``strict=False`` missing and unexpected names are skipped.
 
     """
     sources, missing, unexpected = _match_module_state(state_dict, layout)
-    errors = [
-        f"size mismatch for {name}: copying a param with shape {_shape_of(state_dict[source])} from checkpoint, the"
-        f" shape in current model is {layout.shards[name].shape}."
-        for name, source in sources.items()
-        if _shape_of(state_dict[source]) != layout.shards[name].shape
-    ]
+    errors = []
+    for name, source in sources.items():
+        shape = _shape_of(state_dict[source])
+        if shape != layout.shards[name].shape:
+            errors.append(
+                f"size mismatch for {name}: copying a param with shape {shape} from checkpoint, the shape in current"
+                f" model is {layout.shards[name].shape}."
+            )
     if strict:
         if unexpected:
             errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))

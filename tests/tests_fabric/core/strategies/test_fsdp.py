@@ -330,3 +330,27 @@ def _save_safetensors(tensors, path):
     # `safetensors` is optional: the tests that write such files are skipped without it
     safetensors_torch = pytest.importorskip("safetensors.torch")
     safetensors_torch.save_file(tensors, path)
+
+
+def _run_missing_keys(strategy, tmp_path):
+    model = _sharded(strategy)
+    before = _full_state_dict(model)
+    optimizer = torch.optim.Adam(model.parameters())
+    # a key that the checkpoint lacks is found before anything is written (master wrote the model first)
+    for state in ({"model": model, "optimizer": optimizer}, {"model": model, "epoch": 0}):
+        with pytest.raises(KeyError, match="that does not exist in the loaded checkpoint"):
+            strategy.load_checkpoint(tmp_path / "fabric.ckpt", state)
+        _assert_equal_state(_full_state_dict(model), before)
+    # with `strict=False`, an optimizer without state in the checkpoint is left as it is (master raised `KeyError`)
+    state = {"model": model, "optimizer": optimizer}
+    remainder = strategy.load_checkpoint(tmp_path / "fabric.ckpt", state, strict=False)
+    assert remainder == {"step": 1}
+    assert optimizer.state_dict()["state"] == {}
+    _assert_equal_state(_full_state_dict(model), _model().state_dict())
+
+
+@RunIf(min_torch="2.4")
+def test_fsdp_load_missing_keys_found_before_writing(tmp_path):
+    """A requested key that a full checkpoint lacks raises before the model is written (skipped with strict=False)."""
+    torch.save({"model": _model().state_dict(), "step": 1}, tmp_path / "fabric.ckpt")
+    _spawn_on_cpu(_run_missing_keys, tmp_path)
