@@ -134,8 +134,12 @@ def _load_full_checkpoint(
         return _run_in_turn(partial(_write_full_checkpoint, checked, layout, state), strategy, turn=0, turns=1)
 
     # read whole: a rank holds the file in its turn only, so it checks and writes there
-    load = lambda: _write_full_checkpoint(check(), layout, state)  # noqa: E731
-    return _run_in_turn(load, strategy, turn=strategy.local_rank, turns=max(strategy.num_processes, 1))
+    return _run_in_turn(
+        lambda: _write_full_checkpoint(check(), layout, state),
+        strategy,
+        turn=strategy.local_rank,
+        turns=max(strategy.num_processes, 1),
+    )
 
 
 class _CheckedCheckpoint(NamedTuple):
