@@ -209,31 +209,27 @@ class _Phases:
             patch.stop()
 
 
-class _RecordedWrites:
-    """The byte ranges that this rank's gather-free save writes (``_pwrite_all``), in its order: the pattern floor's."""
+class _RecordedWrites(_Phases):
+    """The byte ranges that this rank's gather-free save writes (``_pwrite_all``), in its order: the pattern floor's.
+
+    Its patches sit inside those of :class:`_Phases` (entered after them), so the writes are timed as well.
+
+    """
 
     def __init__(self) -> None:
+        super().__init__()
         self.ranges: list[tuple[int, int]] = []
 
-    def __enter__(self) -> _RecordedWrites:
-        from lightning_fsdp.saving import consolidated, consolidated_write
+    def wrap(self, owner: Any, attribute: str, name: str) -> None:
+        if attribute != "_pwrite_all":
+            return
+        original = getattr(owner, attribute)
 
-        self._patches = []
-        for module in (consolidated, consolidated_write):
-            original = module._pwrite_all
+        def recorded(fd: int, data: memoryview, offset: int) -> None:
+            self.ranges.append((offset, data.nbytes))
+            original(fd, data, offset)
 
-            def recorded(fd: int, data: memoryview, offset: int, original: Any = original) -> None:
-                self.ranges.append((offset, data.nbytes))
-                original(fd, data, offset)
-
-            self._patches.append(mock.patch.object(module, "_pwrite_all", recorded))
-        for patch in self._patches:
-            patch.start()
-        return self
-
-    def __exit__(self, *args: object) -> None:
-        for patch in reversed(self._patches):
-            patch.stop()
+        self._patches.append(mock.patch.object(owner, attribute, recorded))
 
 
 class _TimedReservation:
