@@ -371,14 +371,9 @@ def _alignment(
 
 
 def _fed_by(targets: Sequence[TargetSpec], originals: Mapping[str, str]) -> dict[str, str]:
-    """Primary target name -> the checkpoint tensor (its name in the file) that feeds it."""
-    return {target.names[0]: name for target in targets if (name := _feeding(target, originals)) is not None}
-
-
-def _feeding(target: TargetSpec, originals: Mapping[str, str]) -> str | None:
-    """The checkpoint tensor (its name in the file) that feeds ``target``: the first of its names it has, renamed."""
-    present = next((name for name in target.names if name in originals), None)
-    return None if present is None else originals[present]
+    """Primary target name -> the checkpoint tensor (its name in the file) that feeds it, by the core's matching."""
+    fed, _, _ = _match_module_state(originals, names_layout(targets))
+    return {target: originals[new_name] for target, new_name in fed.items()}
 
 
 def _candidates(targets: Sequence[TargetSpec], names: list[str]) -> list[dict[str, str]]:
