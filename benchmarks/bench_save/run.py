@@ -354,6 +354,7 @@ def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
         result["quiet_steps_seconds"] = time.perf_counter() - start
     if cfg["implementation"] == "lightning-fsdp":
         result["writes"] = writes.ranges
+        result["rounds"] = _rounds(fabric, cfg, state, writes.ranges, seconds)
         with torch.no_grad():
             for param in model.parameters():
                 _local(param).zero_()
@@ -366,36 +367,31 @@ def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
     results.put(result)
 
 
-def _floor_worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
-    """The write floor: the ranks write ``cfg["bytes"]`` into one file, each its own contiguous part, then ``fsync``.
+def _write_floor(path: str, ranges: list[tuple[int, int]], total: int, reserve: bool) -> float:
+    """Write ``ranges`` of a ``total``-byte file at ``path``, then ``fsync``: a floor under the save; this rank's time.
 
-    The same bytes as the save's file, written by the same number of processes from memory that each holds already
-    (filled before the clock starts), by positioned writes of 64 MiB, as the gather-free save writes: no pickle, no
-    CRC, no copy, no agreement. Time between two barriers of a gloo group, as the saves are measured.
+    Every rank of the default process group calls it with its own ranges. The bytes come from memory filled before the
+    clock starts, by positioned writes of 64 MiB, as the gather-free save writes: no pickle, no CRC, no copy, no
+    agreement. Rank 0 creates the file (with ``reserve``, it also reserves its blocks first, as the save does, and the
+    other ranks wait for that as the save's do) and removes it after. Time between two barriers, as the saves.
 
     """
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg["ranks"])
-    total, ranks = cfg["bytes"], cfg["ranks"]
-    begin, end = total * rank // ranks, total * (rank + 1) // ranks
-    # the pattern floor: this rank's ranges of the save, in its order, into blocks reserved as the save reserves them
-    ranges = cfg["ranges"][rank] if "ranges" in cfg else [(begin, end - begin)]
     chunk = 64 * 2**20
     buffer = memoryview(bytearray(os.urandom(1024) * (chunk // 1024)))  # held before the clock starts
-    if rank == 0:
-        with open(cfg["path"], "wb"):
+    if dist.get_rank() == 0:
+        with open(path, "wb"):
             pass
     dist.barrier()
-    descriptor = os.open(cfg["path"], os.O_WRONLY)
+    descriptor = os.open(path, os.O_WRONLY)
     try:
         dist.barrier()
         start = time.perf_counter()
-        if "ranges" in cfg:
-            if rank == 0:
+        if reserve:
+            if dist.get_rank() == 0:
                 _preallocate(descriptor, total)
-            dist.barrier()  # as the save's ranks wait for rank 0's reservation before they write
+            dist.barrier()
         for offset, nbytes in ranges:
             stop = offset + nbytes
             while offset < stop:
@@ -405,8 +401,47 @@ def _floor_worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> No
         seconds = time.perf_counter() - start
     finally:
         os.close(descriptor)
-    dist.destroy_process_group()
-    results.put({"rank": rank, "seconds": seconds, "written": sum(nbytes for _, nbytes in ranges)})
+    if dist.get_rank() == 0:
+        os.remove(path)
+    return seconds
+
+
+def _synced(fabric: Any) -> None:
+    """Write back every dirty page of the machine before the next measurement (each writes the file's 3.2 GB)."""
+    if fabric.global_rank == 0:
+        os.sync()
+    fabric.barrier()
+
+
+def _rounds(fabric: Any, cfg: dict[str, Any], state: dict[str, Any], ranges: list, first: float) -> list[dict]:
+    """``cfg["rounds"]`` rounds of the synchronous save and its two floors, in these processes, one after the other.
+
+    Each round times the save (the first round's is the measured save, ``first``), then the contiguous floor (each
+    rank writes its own quarter of a file of the save's size) and the pattern floor (each rank writes the byte ranges
+    that its save wrote, ``ranges``, in its order, into blocks reserved first). Taking the three within seconds of
+    each other, in the same processes, lets a ratio be read per round: the disk of a shared machine changes its speed
+    from one minute to the next, which ratios of separate runs mistake for the save's cost.
+
+    """
+    total = os.stat(cfg["path"]).st_size
+    rank, ranks = fabric.global_rank, fabric.world_size
+    quarter = [(total * rank // ranks, total * (rank + 1) // ranks - total * rank // ranks)]
+    floor_path = cfg["path"] + ".floor"
+    rounds = []
+    for index in range(cfg["rounds"]):
+        seconds = first
+        if index:
+            _synced(fabric)
+            start = time.perf_counter()
+            fabric.save(cfg["path"], state)
+            fabric.barrier()
+            seconds = time.perf_counter() - start
+        _synced(fabric)
+        floor = _write_floor(floor_path, quarter, total, reserve=False)
+        _synced(fabric)
+        pattern = _write_floor(floor_path, ranges, total, reserve=True)
+        rounds.append({"save": seconds, "floor": floor, "pattern": pattern})
+    return rounds
 
 
 def _run_case(cfg: dict[str, Any], worker: Any = None) -> list[dict[str, Any]]:
@@ -500,6 +535,31 @@ def _ratio_of_rank_0(ranks: list[dict[str, Any]], key: str) -> float:
     return ranks[0][key] / max(max(rank[key] for rank in ranks[1:]), 1)
 
 
+def _floor_lines(strategy: str, rounds: list[dict[str, float]], ranks: int, size: int) -> list[str]:
+    """The synchronous save against its floors: each round's times and ratios, and their medians."""
+
+    def listed(key: str) -> str:
+        return ", ".join(f"{item[key]:.2f}" for item in rounds) + " s"
+
+    def ratios(key: str) -> tuple[str, float]:
+        values = [item["save"] / item[key] for item in rounds]
+        return ", ".join(f"{value:.2f}x" for value in values), statistics.median(values)
+
+    per_round, median = ratios("floor")
+    per_round_pattern, median_pattern = ratios("pattern")
+    return [
+        f"- {strategy}: {len(rounds)} round(s), each the synchronous save, then the write floor ({ranks} processes"
+        f" writing the file's {_gb(size)} in contiguous parts by positioned writes, then `fsync`), then the pattern"
+        f" floor (the same processes writing the save's own byte ranges in its order, into blocks reserved first),"
+        f" in the same processes: saves {listed('save')}; floors {listed('floor')}; pattern floors"
+        f" {listed('pattern')}",
+        f"- {strategy}: the synchronous save over the write floor of its round: {per_round}, median {median:.2f}x"
+        f" (target <= 1.5: {'met' if median <= 1.5 else 'NOT met'}); over the pattern floor: {per_round_pattern},"
+        f" median {median_pattern:.2f}x; the pattern floor over the write floor, median"
+        f" {statistics.median(item['pattern'] / item['floor'] for item in rounds):.2f}x",
+    ]
+
+
 def _gb(value: float) -> str:
     return f"{value / 1e9:.2f} GB" if abs(value) >= 1e8 else f"{value / 1e6:.1f} MB"
 
@@ -512,7 +572,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_save"))
     parser.add_argument("--output", type=Path, default=None, help="also write the Markdown table here")
     parser.add_argument(
-        "--floor-samples", type=int, default=3, help="how many times the write floor is measured (the median counts)"
+        "--rounds",
+        type=int,
+        default=3,
+        help="how many rounds of the synchronous save, the write floor and the pattern floor (medians count)",
     )
     args = parser.parse_args(argv)
     width, depth = PRESETS[args.size]
@@ -533,8 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     measured: dict[str, Any] = {}
-    floors: dict[str, list[float]] = {}
-    patterns: dict[str, float] = {}
+    rounds: dict[str, list[dict[str, float]]] = {}
     for strategy in strategies:
         runs = {}
         for implementation in ("lightning", "lightning-fsdp", "background"):
@@ -546,25 +608,10 @@ def main(argv: list[str] | None = None) -> int:
                 "width": width,
                 "depth": depth,
                 "path": str(path),
+                "rounds": args.rounds,
             }
             print(f"bench_save: {strategy} {implementation} ...", flush=True)
             runs[implementation] = _run_case(cfg)
-            if implementation == "lightning-fsdp":
-                # the floor in the same run, right after the save it bounds: the same bytes, the same processes
-                floor_path = args.workdir / f"{strategy}-floor.bin"
-                floor_cfg = {**cfg, "implementation": "floor", "path": str(floor_path), "bytes": path.stat().st_size}
-                samples = []
-                for sample in range(args.floor_samples):
-                    print(f"bench_save: {strategy} write floor ({sample + 1} of {args.floor_samples}) ...", flush=True)
-                    samples.append(max(rank["seconds"] for rank in _run_case(floor_cfg, _floor_worker)))
-                    floor_path.unlink()
-                floors[strategy] = samples
-                # the pattern floor: the same processes write the save's own byte ranges, in its order, into blocks
-                # reserved first, with nothing else (no copy, CRC, pickle or agreement): what the file's layout costs
-                pattern_cfg = {**floor_cfg, "ranges": [rank["writes"] for rank in runs["lightning-fsdp"]]}
-                print(f"bench_save: {strategy} pattern floor ...", flush=True)
-                patterns[strategy] = max(rank["seconds"] for rank in _run_case(pattern_cfg, _floor_worker))
-                floor_path.unlink()
         ours, reference = args.workdir / f"{strategy}-lightning-fsdp.ckpt", args.workdir / f"{strategy}-lightning.ckpt"
         verdict = _compare(ours, reference)
         background_verdict = _compare(args.workdir / f"{strategy}-background.ckpt", reference)
@@ -600,7 +647,6 @@ def main(argv: list[str] | None = None) -> int:
             f" {_ratio_of_rank_0(ours_ranks, 'peak_above_base'):.2f}; time / Lightning's = {ratio_time:.2f}"
             f" (target <= 0.5: {'met' if ratio_time <= 0.5 else 'NOT met'})"
         )
-        ours_seconds = max(r["seconds"] for r in ours_ranks)
         slowest = max(ours_ranks, key=lambda r: r["seconds"])
         parts = sorted(slowest["phases"].items(), key=lambda item: -item[1])
         other = slowest["seconds"] - sum(slowest["phases"].values())
@@ -610,29 +656,19 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts)
             + f", other (copies, Python, the barrier after it) {other:.2f} s"
         )
-        samples = floors[strategy]
-        floor = statistics.median(samples)
-        over_floor = ours_seconds / floor
-        targets.append(
-            f"- {strategy}: the write floor ({args.ranks} processes writing the file's"
-            f" {_gb(ours.stat().st_size)} by positioned writes, then `fsync`) took"
-            f" {', '.join(f'{sample:.2f}' for sample in samples)} s in {len(samples)} sample(s), median {floor:.2f} s;"
-            f" the synchronous save {ours_seconds:.1f} s = {over_floor:.2f}x the median floor (target <= 1.5:"
-            f" {'met' if over_floor <= 1.5 else 'NOT met'}; {ours_seconds / max(samples):.2f}x the slowest sample)"
-        )
-        pattern = patterns[strategy]
-        targets.append(
-            f"- {strategy}: the pattern floor (the same processes writing the save's own byte ranges in its order, into"
-            f" blocks reserved first, then `fsync`) took {pattern:.2f} s, {pattern / floor:.2f}x the median contiguous"
-            f" floor; the synchronous save = {ours_seconds / pattern:.2f}x the pattern floor"
-        )
+        # each round's slowest rank, as every time of the table
+        rounds[strategy] = [
+            {key: max(rank["rounds"][index][key] for rank in ours_ranks) for key in ("save", "floor", "pattern")}
+            for index in range(args.rounds)
+        ]
+        targets.extend(_floor_lines(strategy, rounds[strategy], args.ranks, ours.stat().st_size))
         measured[strategy] = runs
     text = "\n".join(
         [*rows, "", *targets, "", "Saving in the background (`save_in_background=True`):", "", *background_rows]
     )
     text += "\n"
     print(text)
-    summary = {"runs": measured, "floors": floors, "pattern_floors": patterns}
+    summary = {"runs": measured, "rounds": rounds}
     (args.workdir / "results.json").write_text(json.dumps(summary, indent=1))
     if args.output is not None:
         args.output.write_text(text)

@@ -26,7 +26,7 @@ def test_bench_save_smoke(tmp_path):
         "--size=tiny",
         "--ranks=2",
         "--strategy=fsdp2",
-        "--floor-samples=1",
+        "--rounds=2",
         f"--workdir={tmp_path / 'work'}",
         f"--output={output}",
     ]
@@ -39,7 +39,7 @@ def test_bench_save_smoke(tmp_path):
     background = [line for line in table.splitlines() if line.startswith("| fsdp2 | ")][-1]  # the last table's row
     assert background.endswith("| bit-exact |"), background
     assert "the second training step" in table
-    assert "- fsdp2: the pattern floor" in table
+    assert "then the pattern floor" in table
 
     report = json.loads((tmp_path / "work" / "results.json").read_text())
     saved = report["runs"]["fsdp2"]["lightning-fsdp"]
@@ -52,7 +52,11 @@ def test_bench_save_smoke(tmp_path):
         assert start <= end, f"bytes {end}..{start} of the file were not written"
         end = max(end, stop)
     assert end >= file_size
-    assert report["pattern_floors"]["fsdp2"] > 0
+    # two rounds of the save and its floors, each timed, and the ratios printed per round
+    assert len(report["rounds"]["fsdp2"]) == 2
+    for measured in report["rounds"]["fsdp2"]:
+        assert measured["save"] > 0 and measured["floor"] > 0 and measured["pattern"] > 0
+    assert "- fsdp2: the synchronous save over the write floor of its round: " in table
     for rank in report["runs"]["fsdp2"]["background"]:
         assert rank["second_step"] > 0
         assert rank["reserve_seconds"] > 0
