@@ -444,8 +444,8 @@ def _rounds(fabric: Any, cfg: dict[str, Any], state: dict[str, Any], ranges: lis
     return rounds
 
 
-def _run_case(cfg: dict[str, Any], worker: Any = None) -> list[dict[str, Any]]:
-    """Run ``worker(cfg, rank, port, results)`` (default: this benchmark's) on fresh rank processes; their results."""
+def _run_case(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run one case (:func:`_worker`) on fresh rank processes; their results, by rank."""
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
     # every case starts with no dirty pages of the case before it being written back meanwhile (each writes 3.2 GB)
@@ -453,8 +453,7 @@ def _run_case(cfg: dict[str, Any], worker: Any = None) -> list[dict[str, Any]]:
     context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     port = find_free_network_port()
-    target = worker or _worker
-    processes = [context.Process(target=target, args=(cfg, r, port, results)) for r in range(cfg["ranks"])]
+    processes = [context.Process(target=_worker, args=(cfg, r, port, results)) for r in range(cfg["ranks"])]
     for process in processes:
         process.start()
     for process in processes:
