@@ -354,7 +354,7 @@ def _worker(cfg: dict[str, Any], rank: int, port: int, results: Any) -> None:
         result["quiet_steps_seconds"] = time.perf_counter() - start
     if cfg["implementation"] == "lightning-fsdp":
         result["writes"] = writes.ranges
-        result["rounds"] = _rounds(fabric, cfg, state, writes.ranges, seconds)
+        result["rounds"] = _rounds(fabric, cfg, state, writes.ranges, seconds, phases.seconds)
         with torch.no_grad():
             for param in model.parameters():
                 _local(param).zero_()
@@ -413,14 +413,18 @@ def _synced(fabric: Any) -> None:
     fabric.barrier()
 
 
-def _rounds(fabric: Any, cfg: dict[str, Any], state: dict[str, Any], ranges: list, first: float) -> list[dict]:
+def _rounds(
+    fabric: Any, cfg: dict[str, Any], state: dict[str, Any], ranges: list, first: float, first_phases: dict
+) -> list[dict]:
     """``cfg["rounds"]`` rounds of the synchronous save and its two floors, in these processes, one after the other.
 
-    Each round times the save (the first round's is the measured save, ``first``), then the contiguous floor (each
-    rank writes its own quarter of a file of the save's size) and the pattern floor (each rank writes the byte ranges
-    that its save wrote, ``ranges``, in its order, into blocks reserved first). Taking the three within seconds of
-    each other, in the same processes, lets a ratio be read per round: the disk of a shared machine changes its speed
-    from one minute to the next, which ratios of separate runs mistake for the save's cost.
+    Each round times the save and splits its time by function (the first round's is the measured save, ``first``,
+    ``first_phases``), then the contiguous floor (each rank writes its own quarter of a file of the save's size) and
+    the pattern floor (each rank writes the byte ranges that its save wrote, ``ranges``, in its order, into blocks
+    reserved first). Taking the three within seconds of each other, in the same processes, lets a ratio be read per
+    round: how fast a machine takes writes can change from one minute to the next (on the development machine, with
+    the memory it gives the page cache: ``benchmarks/README.md``), which ratios of separate runs mistake for the
+    save's cost.
 
     """
     total = os.stat(cfg["path"]).st_size
@@ -429,18 +433,21 @@ def _rounds(fabric: Any, cfg: dict[str, Any], state: dict[str, Any], ranges: lis
     floor_path = cfg["path"] + ".floor"
     rounds = []
     for index in range(cfg["rounds"]):
-        seconds = first
+        seconds, phases = first, first_phases
         if index:
             _synced(fabric)
-            start = time.perf_counter()
-            fabric.save(cfg["path"], state)
-            fabric.barrier()
-            seconds = time.perf_counter() - start
+            timed = _Phases()
+            with timed:
+                start = time.perf_counter()
+                fabric.save(cfg["path"], state)
+                fabric.barrier()
+                seconds = time.perf_counter() - start
+            phases = timed.seconds
         _synced(fabric)
         floor = _write_floor(floor_path, quarter, total, reserve=False)
         _synced(fabric)
         pattern = _write_floor(floor_path, ranges, total, reserve=True)
-        rounds.append({"save": seconds, "floor": floor, "pattern": pattern})
+        rounds.append({"save": seconds, "floor": floor, "pattern": pattern, "phases": phases})
     return rounds
 
 
@@ -559,6 +566,18 @@ def _floor_lines(strategy: str, rounds: list[dict[str, float]], ranks: int, size
     ]
 
 
+def _split(seconds: float, phases: dict[str, float]) -> str:
+    """A save's ``seconds`` split by the functions that :class:`_Phases` timed, and the rest."""
+    parts = sorted(phases.items(), key=lambda item: -item[1])
+    other = seconds - sum(phases.values())
+    return ", ".join(
+        [
+            *(f"{name} {part:.2f} s" for name, part in parts),
+            f"other (copies, Python, the barrier after it) {other:.2f} s",
+        ]
+    )
+
+
 def _gb(value: float) -> str:
     return f"{value / 1e9:.2f} GB" if abs(value) >= 1e8 else f"{value / 1e6:.1f} MB"
 
@@ -655,15 +674,23 @@ def main(argv: list[str] | None = None) -> int:
             f" saves, {median_save:.1f} s, / Lightning's = {median_save / lightning_seconds:.2f})"
         )
         slowest = max(ours_ranks, key=lambda r: r["seconds"])
-        parts = sorted(slowest["phases"].items(), key=lambda item: -item[1])
-        other = slowest["seconds"] - sum(slowest["phases"].values())
         targets.append(
             f"- {strategy}: where the synchronous save's {slowest['seconds']:.1f} s went on its slowest rank"
-            f" ({slowest['rank']}): "
-            + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts)
-            + f", other (copies, Python, the barrier after it) {other:.2f} s"
+            f" ({slowest['rank']}): {_split(slowest['seconds'], slowest['phases'])}"
         )
         targets.extend(_floor_lines(strategy, rounds[strategy], args.ranks, ours.stat().st_size))
+        # where each round's save went on its slowest rank
+        slowest_in_round = [
+            max(ours_ranks, key=lambda r, i=index: r["rounds"][i]["save"]) for index in range(args.rounds)
+        ]
+        targets.append(
+            f"- {strategy}: where each round's save went on its slowest rank: "
+            + "; ".join(
+                f"round {index + 1} (rank {rank['rank']}), {rank['rounds'][index]['save']:.2f} s:"
+                f" {_split(rank['rounds'][index]['save'], rank['rounds'][index]['phases'])}"
+                for index, rank in enumerate(slowest_in_round)
+            )
+        )
         measured[strategy] = runs
     text = "\n".join(
         [*rows, "", *targets, "", "Saving in the background (`save_in_background=True`):", "", *background_rows]

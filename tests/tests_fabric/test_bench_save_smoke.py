@@ -59,6 +59,11 @@ def test_bench_save_smoke(tmp_path):
         assert measured["floor"] > 0
         assert measured["pattern"] > 0
     assert "- fsdp2: the synchronous save over the write floor of its round: " in table
+    # each round's save split by function (the positioned writes among them), on its slowest rank
+    split = next(line for line in table.splitlines() if line.startswith("- fsdp2: where each round's save went"))
+    assert "round 1 (rank " in split
+    assert "round 2 (rank " in split
+    assert split.count(" write ") == 2
     for rank in report["runs"]["fsdp2"]["background"]:
         assert rank["second_step"] > 0
         assert rank["reserve_seconds"] > 0
