@@ -673,11 +673,6 @@ def main(argv: list[str] | None = None) -> int:
             f" (target <= 0.5: {'met' if ratio_time <= 0.5 else 'NOT met'}; the median of the {args.rounds} rounds'"
             f" saves, {median_save:.1f} s, / Lightning's = {median_save / lightning_seconds:.2f})"
         )
-        slowest = max(ours_ranks, key=lambda r: r["seconds"])
-        targets.append(
-            f"- {strategy}: where the synchronous save's {slowest['seconds']:.1f} s went on its slowest rank"
-            f" ({slowest['rank']}): {_split(slowest['seconds'], slowest['phases'])}"
-        )
         targets.extend(_floor_lines(strategy, rounds[strategy], args.ranks, ours.stat().st_size))
         # where each round's save went on its slowest rank
         slowest_in_round = [
