@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test-gpu`: every CUDA check of this project in one command, on a machine with one GPU or more, from a fresh
-# clone, within a time budget (default 450 s, set-up included: such a machine is lent for a few minutes).
+# clone, within a time budget (default 540 s, set-up included: such a machine is lent for a few minutes).
 #
 #   1. finds the GPUs (`nvidia-smi -L`); without one it says so and exits 0, having installed nothing;
 #   2. `make setup`, then makes sure torch in the venv is a CUDA build: a CPU build (`torch.version.cuda` is None, e.g.
@@ -9,23 +9,25 @@
 #   3. the single-GPU tests (tests/tests_fabric/test_single_gpu.py; FSDP1 and FSDP2 side by side, on the same GPU);
 #   4. the standalone multi-GPU tests the machine can run (each in its own process, tests/run_standalone_tests.sh;
 #      with one GPU they are all skipped, collected in one process);
-#   5. the benchmark's small size on the GPU, this project against upstream (`--device cuda`, one rank);
+#   5. the benchmark's small full checkpoint on the GPU, this project against upstream (`--device cuda`, one rank);
 #   6. one summary: passed / failed / skipped, the benchmark's ratios, the time of each step.
 # Exits 1 when a test fails, the benchmark fails or a step did not fit the budget.
 #
 # Variables: VENV (.venv), PYTHON (python3, to create it), TORCH_SPEC (what `make setup` installs), TORCH_CUDA_INDEX
-# (where the CUDA build comes from, default PyPI), TEST_GPU_BUDGET (seconds, default 450).
+# (where the CUDA build comes from, default PyPI), TEST_GPU_BUDGET (seconds, default 540), TEST_GPU_PYTHON (an
+# interpreter that already has a CUDA build of torch, lightning and the test extra's packages, e.g. a GPU image's or a
+# conda environment's: used as it is, with no set-up and nothing installed, for machines that cannot reach an index).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 START=$SECONDS
-BUDGET=${TEST_GPU_BUDGET:-450}
+BUDGET=${TEST_GPU_BUDGET:-540}
 VENV=${VENV:-.venv}
 PY=$VENV/bin/python
 TORCH_VERSION=2.13.0
 TORCH_CUDA_INDEX=${TORCH_CUDA_INDEX:-https://pypi.org/simple}
 # What the later steps need at least, in seconds: the multi-GPU step and the benchmark.
 RESERVE_STANDALONE=40
-RESERVE_BENCHMARK=100
+RESERVE_BENCHMARK=150
 
 # Seconds of the budget left, at least 1 (`timeout 0` would mean no limit at all).
 left() {
@@ -61,32 +63,44 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" # this checkout, whichev
 # --- set-up -------------------------------------------------------------------------------------------------------
 step_start "set-up: the virtual environment and a CUDA build of torch"
 setup_note=""
-echo "make setup: from a fresh clone it installs torch==$TORCH_VERSION (on Linux x86_64, PyPI's is the CUDA build:"
-echo "about 3 GB with NVIDIA's libraries, one to three minutes), then this package with its test extra."
-# TORCH_SPEC, when given, reaches `make` from the environment (or from `make test-gpu TORCH_SPEC=...`).
-# Without the CPU index that `make setup` otherwise prefers: the CUDA build is wanted here.
-if ! timeout "$(left)" make -s setup VENV="$VENV" PYTHON="${PYTHON:-python3}" TORCH_CPU_INDEX=; then
-  echo "make test-gpu: FAILED: \`make setup\` did not finish (see above)."
-  exit 1
-fi
-cuda_build=$("$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null)
-if [ -z "$cuda_build" ]; then
-  echo "torch in $VENV is a CPU build (or missing): installing the CUDA build of torch==$TORCH_VERSION from"
-  echo "$TORCH_CUDA_INDEX (about 3 GB with NVIDIA's libraries; one to three minutes on a data-centre link)."
-  "$PY" -m pip uninstall --yes --quiet torch >/dev/null 2>&1
-  # Only that index: a pip configuration that finds CPU wheels first (find-links, an extra index) would pick the
-  # CPU build again, since `2.13.0+cpu` satisfies `torch==2.13.0` and sorts above `2.13.0`.
-  if ! env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null \
-    timeout "$(left)" "$PY" -m pip install --quiet --index-url "$TORCH_CUDA_INDEX" "torch==$TORCH_VERSION"; then
-    echo "make test-gpu: FAILED: could not install torch==$TORCH_VERSION from $TORCH_CUDA_INDEX (within the budget)."
-    echo "Set TORCH_CUDA_INDEX to an index this machine reaches that has the CUDA build."
+if [ -n "${TEST_GPU_PYTHON:-}" ]; then
+  PY=$TEST_GPU_PYTHON
+  setup_note=" (TEST_GPU_PYTHON: $PY as it is, nothing installed)"
+  echo "TEST_GPU_PYTHON=$PY: no set-up; this checkout is on PYTHONPATH."
+  cuda_build=$("$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null)
+  if [ -z "$cuda_build" ]; then
+    echo "make test-gpu: FAILED: torch under TEST_GPU_PYTHON=$PY is a CPU build (or missing): give an interpreter"
+    echo "whose torch is a CUDA build, or leave TEST_GPU_PYTHON unset for the set-up in $VENV."
+    exit 1
+  fi
+else
+  echo "make setup: from a fresh clone it installs torch==$TORCH_VERSION (on Linux x86_64, PyPI's is the CUDA build:"
+  echo "about 3 GB with NVIDIA's libraries, one to three minutes), then this package with its test extra."
+  # TORCH_SPEC, when given, reaches `make` from the environment (or from `make test-gpu TORCH_SPEC=...`).
+  # Without the CPU index that `make setup` otherwise prefers: the CUDA build is wanted here.
+  if ! timeout "$(left)" make -s setup VENV="$VENV" PYTHON="${PYTHON:-python3}" TORCH_CPU_INDEX=; then
+    echo "make test-gpu: FAILED: \`make setup\` did not finish (see above)."
     exit 1
   fi
   cuda_build=$("$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null)
-  setup_note=" (the CUDA build of torch installed)"
   if [ -z "$cuda_build" ]; then
-    echo "make test-gpu: FAILED: $TORCH_CUDA_INDEX gave a CPU build of torch==$TORCH_VERSION."
-    exit 1
+    echo "torch in $VENV is a CPU build (or missing): installing the CUDA build of torch==$TORCH_VERSION from"
+    echo "$TORCH_CUDA_INDEX (about 3 GB with NVIDIA's libraries; one to three minutes on a data-centre link)."
+    "$PY" -m pip uninstall --yes --quiet torch >/dev/null 2>&1
+    # Only that index: a pip configuration that finds CPU wheels first (find-links, an extra index) would pick the
+    # CPU build again, since `2.13.0+cpu` satisfies `torch==2.13.0` and sorts above `2.13.0`.
+    if ! env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null \
+      timeout "$(left)" "$PY" -m pip install --quiet --index-url "$TORCH_CUDA_INDEX" "torch==$TORCH_VERSION"; then
+      echo "make test-gpu: FAILED: could not install torch==$TORCH_VERSION from $TORCH_CUDA_INDEX (within the budget)."
+      echo "Set TORCH_CUDA_INDEX to an index this machine reaches that has the CUDA build."
+      exit 1
+    fi
+    cuda_build=$("$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null)
+    setup_note=" (the CUDA build of torch installed)"
+    if [ -z "$cuda_build" ]; then
+      echo "make test-gpu: FAILED: $TORCH_CUDA_INDEX gave a CPU build of torch==$TORCH_VERSION."
+      exit 1
+    fi
   fi
 fi
 torch_info=$("$PY" -c "import torch; print(torch.__version__, torch.cuda.is_available(), torch.cuda.device_count())")
@@ -146,7 +160,7 @@ bench_status="run"
 if [ "$limit" -lt 30 ]; then
   bench_status="not run: ${limit} s left for it"
 else
-  timeout "$limit" "$PY" benchmarks/bench_load --device cuda --size small --ranks 1 --formats full,zip \
+  timeout "$limit" "$PY" benchmarks/bench_load --device cuda --size small --ranks 1 --formats full \
     --strategy both --cache file --retry-busy 0 --timeout 120 --workdir "$WORK/bench" --output "$WORK/bench.md" \
     >/dev/null 2>"$WORK/bench.log"
   code=$?
