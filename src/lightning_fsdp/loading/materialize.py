@@ -290,9 +290,19 @@ def _adopt_fsdp2_shards(root: Module) -> None:
 
     for module in root.modules():
         if isinstance(module, FSDPModule):
-            for param_group in module._get_fsdp_state()._fsdp_param_groups:
+            for param_group in _fsdp_param_groups(module):
                 for fsdp_param in param_group.fsdp_params:
                     fsdp_param.reset_sharded_param()
+
+
+def _fsdp_param_groups(module: Module) -> list[Any]:
+    """The FSDP2 parameter groups of ``module``: a list since torch 2.13, at most one group before it."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return groups
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 def _model_init_functions(root: Module) -> dict[int, Callable[[Module], None]]:
