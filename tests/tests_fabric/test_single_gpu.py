@@ -9,7 +9,9 @@ forked). On a machine without a GPU they are skipped.
 What one rank cannot show, that a rank never touches another rank's GPU, is the standalone test at the end (two GPUs).
 """
 
+import threading
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -18,11 +20,12 @@ from torch import nn
 
 from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
 from lightning_fsdp.loading import loader
+from lightning_fsdp.saving.background import BackgroundSaves
 from tests.tests_fabric.helpers.checkpoints import FORMATS, retag_storages, write_checkpoint
 from tests.tests_fabric.helpers.distributed import run_distributed
 from tests.tests_fabric.helpers.models import Block, TinyTransformer, make_batch
 from tests.tests_fabric.helpers.runif import RunIf
-from tests.tests_fabric.helpers.state import assert_same_state, gather_full_state
+from tests.tests_fabric.helpers.state import assert_identical, assert_same_state, gather_full_state
 
 _STRATEGIES = ["fsdp1", "fsdp2"]
 # cuBLAS picks its algorithms deterministically only with a fixed workspace: the resumed run must repeat the losses.
@@ -33,15 +36,27 @@ def _run(fn, *args, devices: int = 1) -> list:
     return run_distributed(fn, *args, devices=devices, start_method="spawn", timeout=180, env=_DETERMINISTIC)
 
 
-def _fabric(strategy: str, devices: int = 1, precision: str = "32-true", cpu_offload: bool = False) -> Fabric:
+def _fabric(
+    strategy: str,
+    devices: int = 1,
+    precision: str = "32-true",
+    cpu_offload: bool = False,
+    save_in_background: bool = False,
+) -> Fabric:
     if strategy == "fsdp1":
-        chosen = FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full", cpu_offload=cpu_offload)
+        chosen = FSDPStrategy(
+            auto_wrap_policy={Block},
+            state_dict_type="full",
+            cpu_offload=cpu_offload,
+            save_in_background=save_in_background,
+        )
     else:
         chosen = ModelParallelStrategy(
             _parallelize_with_offload if cpu_offload else _parallelize,
             data_parallel_size=devices,
             tensor_parallel_size=1,
             save_distributed_checkpoint=False,
+            save_in_background=save_in_background,
         )
     fabric = Fabric(accelerator="cuda", devices=devices, strategy=chosen, precision=precision)
     fabric.launch()
@@ -324,3 +339,47 @@ def test_full_checkpoint_with_adam_round_trips_and_resumes(tmp_path, strategy):
     """Saved after two steps, loaded into a fresh model and Adam: the same state, and the next losses repeat."""
     (losses,) = _run(_round_trip_with_adam, strategy, str(tmp_path / "full.ckpt"))
     assert len(losses) == 2
+
+
+def _background_save_while_training(strategy: str, folder: str) -> tuple[bool, bool]:
+    fabric = _fabric(strategy, save_in_background=True)
+    model = _make(fabric, seed=1)
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    _train(fabric, model, optimizer, range(2))
+    state = {"model": model, "optimizer": optimizer, "step": 2}
+    background = fabric.strategy._background_saves
+    fabric.strategy._background_saves = None  # the reference: the synchronous save of the same state
+    fabric.save(f"{folder}/reference.ckpt", state)
+    fabric.strategy._background_saves = background
+
+    release = threading.Event()
+    real_run = BackgroundSaves._run
+
+    def held_back_run(self, rest):  # the write starts only once training has stepped on the GPU
+        release.wait(timeout=60)
+        real_run(self, rest)
+
+    with mock.patch.object(BackgroundSaves, "_run", held_back_run):
+        fabric.save(f"{folder}/background.ckpt", state)
+        # the slices were copied from the GPU into pinned host memory, reserved at the first optimizer step
+        pinned = background.buffers.arena is not None and background.buffers.arena.is_pinned()
+        _train(fabric, model, optimizer, range(2, 5))
+        release.set()
+        fabric.strategy.wait_for_save()
+    _assert_no_other_gpu_touched(fabric.device)
+    return pinned, not Path(f"{folder}/background.ckpt.tmp").exists()
+
+
+@RunIf(min_cuda_gpus=1)
+@pytest.mark.parametrize("strategy", _STRATEGIES)
+def test_background_save_from_the_gpu_holds_the_state_at_the_call(tmp_path, strategy):
+    """``save_in_background=True`` on the GPU: the rank's slices and Adam's state go to pinned host memory, and the
+    file, written while three more steps run on the GPU, is bit for bit the synchronous save of the state at the call.
+    """
+    ((pinned, no_temporary),) = _run(_background_save_while_training, strategy, str(tmp_path))
+    assert pinned
+    assert no_temporary
+    background, reference = (
+        torch.load(tmp_path / f"{name}.ckpt", weights_only=True) for name in ("background", "reference")
+    )
+    assert_identical(background, reference)
