@@ -265,8 +265,8 @@ def _load_offloaded(strategy: str, path: str) -> bool:
     fabric = _fabric(strategy, cpu_offload=True)
     model = _make(fabric, seed=7)
     _assert_on(model, torch.device("cpu"), what="parameters")
-    # `fabric.load` ends with a barrier, and NCCL's first barrier keeps a 512-byte tensor on the GPU (measured on an
-    # H200 with torch 2.11: the load itself added 0 bytes, as upstream's did). Count from after a first barrier.
+    # `fabric.load` ends with a barrier, and NCCL's first barrier keeps a 512-byte tensor on the GPU (measured with
+    # FSDP1 on an H200 with torch 2.11: the load itself added 0 bytes, as upstream's did). Count from after a barrier.
     fabric.barrier()
     torch.cuda.synchronize(fabric.device)
     before = torch.cuda.memory_allocated(fabric.device)
