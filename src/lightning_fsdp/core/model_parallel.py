@@ -67,7 +67,10 @@ def _dtensor_layout(module: Module) -> _Layout:
     state of a ``DTensor`` parameter is a ``DTensor`` laid out as the parameter.
 
     """
-    layout = _Layout({}, {}, {}, [name for name, _ in module.named_parameters()])
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    # the state dict's names: without the prefix of a wrapper that leaves it out there (activation checkpointing)
+    layout = _Layout({}, {}, {}, [clean_tensor_name(name) for name, _ in module.named_parameters()])
     names: dict[int, str] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) in names:
@@ -78,7 +81,7 @@ def _dtensor_layout(module: Module) -> _Layout:
         layout.shards[name] = _Shard(tensor.shape, local, box)
     for name, param in module.named_parameters():
         local, box = _local_tensor_and_box(param)
-        piece = _Piece(name, 0, local.numel(), box)
+        piece = _Piece(clean_tensor_name(name), 0, local.numel(), box)
         layout.params[id(param)] = _Param([piece], local.numel(), partial(_like_param, param, local))
     return layout
 

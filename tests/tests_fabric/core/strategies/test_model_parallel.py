@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from lightning.fabric import Fabric
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning_fsdp.core.fsdp import _check_module_state, _copy_module_state
+from lightning_fsdp.core.fsdp import _check_module_state, _copy_module_state, _local_optimizer_state
 from lightning_fsdp.core.model_parallel import ModelParallelStrategy, _dtensor_layout
 from tests_fabric.helpers.runif import RunIf
 
@@ -290,6 +290,31 @@ def test_model_parallel_load_optimizer_state_keyed_by_index(tmp_path):
     optimizer.step()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "single.ckpt")
     _launch(_fabric(), _run_int_keyed_optimizer_state, tmp_path)
+
+
+def test_model_parallel_layout_names_parameters_as_the_state_dict():
+    """A module wrapped for activation checkpointing: its parameters keep their state-dict names, so that the optimizer
+    state of a full checkpoint, keyed by those names or by index, reaches every parameter."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = nn.Sequential(checkpoint_wrapper(nn.Linear(2, 2)), nn.Linear(2, 1))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 2)).sum().backward()
+    optimizer.step()
+    by_index = optimizer.state_dict()
+    names = list(model.state_dict())
+    by_name = {
+        "state": {names[index]: value for index, value in by_index["state"].items()},
+        "param_groups": [{**by_index["param_groups"][0], "params": names}],
+    }
+    layout = _dtensor_layout(model)
+    assert layout.param_names == names
+    for saved in (by_index, by_name):
+        local = _local_optimizer_state(saved, optimizer, layout)
+        assert sorted(local["state"]) == [0, 1, 2, 3]
+        for index, param_state in local["state"].items():
+            torch.testing.assert_close(param_state["exp_avg"], by_index["state"][index]["exp_avg"], rtol=0, atol=0)
 
 
 def _save_safetensors(tensors, path):
