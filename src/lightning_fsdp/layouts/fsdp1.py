@@ -9,10 +9,7 @@ turns into the targets of :mod:`lightning_fsdp.layouts.targets`. The FSDP2 (``fu
 Layer: shared infrastructure (``lightning_fsdp.layouts``), used by loading and saving; not part of the core.
 """
 
-import math
-from collections.abc import Callable
 
-from torch import Tensor
 from torch.nn import Module
 
 from lightning_fsdp.core.fsdp import _fsdp_layout
@@ -57,9 +54,10 @@ def collect_targets(module: Module) -> ModuleTargets:
             (targets[piece.name], [Run(piece.index, piece.numel, piece.offset)] if piece.numel else [])
             for piece in core_param.pieces
         ]
-        # the core's answer: an original parameter with no element on this rank keeps no optimizer state here
+        # the core's answer, how the state is shaped included: an original parameter with no element on this rank
+        # keeps no optimizer state here
         collected.optimizer_params[id(param)] = OptimizerParam(
-            param.numel(), parts, _viewed_as(param), core_param.stateful
+            core_param.numel, parts, core_param.to_state, core_param.stateful
         )
     collected.check_materialized()
     return collected
@@ -90,17 +88,3 @@ def _check_flat_params(module: Module) -> None:
                 " the moment (after a forward without backward, or inside forward and backward)"
             )
 
-
-def _viewed_as(param: Tensor) -> Callable[[Tensor], Tensor]:
-    """How the optimizer state of ``param`` is made from its flat buffer: it takes the shape of its parameter.
-
-    A sharded original parameter is a 1-D view of its slice; one that FSDP does not shard (NO_SHARD, a single rank)
-    keeps its shape.
-
-    """
-    shape = param.shape
-
-    def to_state(flat: Tensor) -> Tensor:
-        return flat.view(shape) if flat.numel() == math.prod(shape) else flat
-
-    return to_state
