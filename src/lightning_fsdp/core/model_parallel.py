@@ -73,6 +73,8 @@ def _dtensor_layout(module: Module) -> _Layout:
     layout = _Layout({}, {}, {}, [clean_tensor_name(name) for name, _ in module.named_parameters()])
     names: dict[int, str] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, Tensor):  # a module's extra state (`get_extra_state`) is not read into a tensor
+            continue
         if id(tensor) in names:
             layout.tied[name] = names[id(tensor)]
             continue

@@ -317,6 +317,21 @@ def test_model_parallel_layout_names_parameters_as_the_state_dict():
             torch.testing.assert_close(param_state["exp_avg"], by_index["state"][index]["exp_avg"], rtol=0, atol=0)
 
 
+def test_model_parallel_layout_leaves_out_extra_state():
+    """A module's extra state (``get_extra_state``) is no tensor to read into: the layout lists the tensors alone."""
+
+    class _WithExtraState(nn.Linear):
+        def get_extra_state(self):
+            return {"scale": 2}
+
+        def set_extra_state(self, state):
+            pass
+
+    model = nn.Sequential(_WithExtraState(2, 2), nn.Linear(2, 1))
+    assert "0._extra_state" in model.state_dict()
+    assert list(_dtensor_layout(model).shards) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
 def _save_safetensors(tensors, path):
     # `safetensors` is optional: the tests that write such files are skipped without it
     safetensors_torch = pytest.importorskip("safetensors.torch")
