@@ -9,7 +9,6 @@ turns into the targets of :mod:`lightning_fsdp.layouts.targets`. The FSDP2 (``fu
 Layer: shared infrastructure (``lightning_fsdp.layouts``), used by loading and saving; not part of the core.
 """
 
-
 from torch.nn import Module
 
 from lightning_fsdp.core.fsdp import _fsdp_layout
@@ -87,4 +86,3 @@ def _check_flat_params(module: Module) -> None:
                 f"the FSDP unit {clean_name(module_name) or '<root>'!r} holds an unsharded copy of its parameters at"
                 " the moment (after a forward without backward, or inside forward and backward)"
             )
-

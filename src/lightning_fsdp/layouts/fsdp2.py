@@ -4,13 +4,13 @@ FSDP2 (``fully_shard``) and tensor parallelism replace each parameter with a ``D
 and, per dimension of the device mesh, a placement. ``Shard(dim)`` splits a tensor dimension into chunks like
 :func:`torch.chunk`, the last ones smaller or empty; ``Replicate()`` keeps it whole; ``_StridedShard(dim,
 split_factor)`` is what ``fully_shard`` gives a dimension that tensor parallelism already shards (FSDP x TP on a 2-D
-mesh): the rank holds its chunk of each of ``split_factor`` consecutive parts of the dimension. A tensor of
-``Shard``/``Replicate`` placements holds a box of the full tensor, which the core computes with torch's own offsets
-(:func:`lightning_fsdp.core.model_parallel._local_tensor_and_box`); ``_StridedShard`` placements, which a box cannot
-always describe, are read here (:func:`local_indices`). Layouts built of these are served shard-locally (FSDP, HSDP,
-tensor parallelism alone, FSDP x TP, uneven and empty shards): per dimension the local tensor holds a few ranges of
-global indices, so its elements are runs of the flattened checkpoint tensor (one per range of rows when only dimension 0
-is sharded, one per row and range of columns when dimension 1 is) that every source format reads alike. Optimizer states
+mesh): the rank holds its chunk of each of ``split_factor`` consecutive parts of the dimension. The layout is the
+core's (:func:`lightning_fsdp.core.model_parallel._dtensor_layout`): each local tensor holds a box of the full tensor,
+computed with torch's own offsets. Layouts built of these are served shard-locally (FSDP, HSDP, tensor parallelism
+alone, FSDP x TP, uneven and empty shards): the elements of a box are runs of the flattened checkpoint tensor (one per
+range of rows when only dimension 0 is sharded, one per row and range of columns when dimension 1 is) that every
+source format reads alike. :func:`local_indices` reads ``_StridedShard`` placements left to right, as
+``distribute_tensor`` does, to find the layouts that ``fully_shard`` places otherwise. Optimizer states
 are ``DTensor`` objects with the parameter's mesh and placements. Other placements (``Partial``), a ``_StridedShard``
 layout that torch itself reads in two ways (uneven sizes when FSDP shards over three or more ranks:
 :func:`ambiguous_strided_dim`), and a local tensor that is not contiguous or not of the shape its placements give make
@@ -25,21 +25,16 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import torch
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_fsdp.core.fsdp import _join as join
-from lightning_fsdp.core.model_parallel import _local_tensor_and_box
+from lightning_fsdp.core.model_parallel import _dtensor_layout
 from lightning_fsdp.layouts.targets import (
     ModuleTargets,
     OptimizerParam,
     Run,
     ShardLocalUnsupported,
     Target,
-    TargetCollector,
-    clean_name,
-    whole_target,
 )
 
 
@@ -55,9 +50,12 @@ def has_dtensor_params(module: Module) -> bool:
 def collect_dtensor_targets(module: Module) -> ModuleTargets:
     """Every tensor of ``module`` that a checkpoint fills, with the part of it that this rank's local tensor holds.
 
-    Units that hold their unsharded parameters at the moment (``reshard_after_forward=False`` after a forward) are
-    resharded first: that frees the gathered copy without a collective, and the next forward gathers the loaded
-    shards again.
+    The layout is the core's (:func:`lightning_fsdp.core.model_parallel._dtensor_layout`: the names as in the state
+    dict, tied tensors, the box of the full tensor that each local tensor holds, from torch's own offsets, and how each
+    parameter's optimizer state is laid out); this adds the checks that let the loader fall back instead, and the runs
+    of the copy. Units that hold their unsharded parameters at the moment (``reshard_after_forward=False`` after a
+    forward) are resharded first: that frees the gathered copy without a collective, and the next forward gathers the
+    loaded shards again.
 
     Raises:
         ShardLocalUnsupported: For a ``DTensor`` whose placements or local tensor this layout does not know: the
@@ -70,30 +68,65 @@ def collect_dtensor_targets(module: Module) -> ModuleTargets:
     for submodule in module.modules():
         if _is_fsdp2_module(submodule):
             submodule.reshard()
-    collector = TargetCollector()
-    collector.collected.param_names = [clean_name(name) for name, _ in module.named_parameters()]
-    with torch.no_grad():
-        for module_name, submodule in module.named_modules():
-            for name, param in submodule._parameters.items():
-                full_name = clean_name(join(module_name, name))
-                if param is None or collector.alias_of(param, full_name):
-                    continue
-                if isinstance(param, DTensor):
-                    target = _dtensor_target(full_name, param, param, collector.collected)
-                else:
-                    target = whole_target(full_name, param, param, collector.collected)
-                collector.add(target, key=param)
-            for name, buffer in submodule._buffers.items():
-                if buffer is None or name in submodule._non_persistent_buffers_set:
-                    continue
-                full_name = clean_name(join(module_name, name))
-                if isinstance(buffer, DTensor):
-                    target = _dtensor_target(full_name, buffer, None, collector.collected)
-                else:
-                    target = Target([full_name], tuple(buffer.shape), buffer.dtype, tensor=buffer)
-                collector.add(target, key=buffer)
-    collector.collected.check_materialized()
-    return collector.collected
+    tensors = module.state_dict(keep_vars=True)
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor):
+            _check_placements(name, tensor)
+    try:
+        layout = _dtensor_layout(module)
+    except NotImplementedError as error:
+        raise ShardLocalUnsupported(str(error)) from None
+    collected = ModuleTargets(param_names=layout.param_names)
+    targets: dict[str, Target] = {}
+    for name, shard in layout.shards.items():
+        tensor = tensors[name]
+        if not isinstance(tensor, DTensor):  # held whole by every rank: copied whole
+            target = Target([name], tuple(shard.shape), tensor.dtype, tensor=tensor)
+        else:
+            if not shard.local.is_contiguous():
+                raise ShardLocalUnsupported(f"the local tensor of {name!r} is not contiguous")
+            indices = tuple([range(part.start, part.stop)] if part.stop > part.start else [] for part in shard.index)
+            runs = index_runs(tuple(shard.shape), indices)
+            target = Target([name], tuple(shard.shape), tensor.dtype, local=shard.local.view(-1), runs=runs)
+        targets[name] = target
+        collected.targets.append(target)
+    for alias, primary in layout.tied.items():
+        targets[primary].names.append(alias)
+    for param in module.parameters():
+        core_param = layout.params[id(param)]
+        parts = []
+        for piece in core_param.pieces:
+            target = targets[piece.name]
+            parts.append((target, target.runs if target.tensor is None else [Run(0, piece.numel, 0)]))
+        collected.optimizer_params[id(param)] = OptimizerParam(core_param.numel, parts, core_param.to_state)
+    collected.check_materialized()
+    return collected
+
+
+def _check_placements(name: str, dtensor: Tensor) -> None:
+    """Raise :class:`ShardLocalUnsupported` for a ``DTensor`` whose local part is not a box this path can read.
+
+    ``Shard`` and ``Replicate`` placements hold a box; ``_StridedShard`` ones do where torch reads them one way only
+    (:func:`ambiguous_strided_dim`); other placements (``Partial``) and a rank outside the mesh are left to upstream.
+
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = dtensor.device_mesh
+    placements = tuple(dtensor.placements)
+    shape = tuple(dtensor.shape)
+    if mesh.get_coordinate() is None:
+        raise ShardLocalUnsupported(f"the parameter {name!r} is a DTensor of a mesh that this rank is not part of")
+    if all(type(placement) in (Replicate, Shard) for placement in placements):
+        return
+    if _splits(shape, mesh.shape, mesh.get_coordinate(), placements) is None:
+        raise ShardLocalUnsupported(f"the parameter {name!r} is a DTensor with placements {placements}")
+    ambiguous = ambiguous_strided_dim(shape, tuple(mesh.shape), placements)
+    if ambiguous is not None:
+        raise ShardLocalUnsupported(
+            f"the parameter {name!r} is a DTensor with placements {placements}, which torch reads in two ways"
+            f" for {shape[ambiguous]} indices of dimension {ambiguous} over the mesh {tuple(mesh.shape)}"
+        )
 
 
 def local_indices(
@@ -242,53 +275,6 @@ def _merged(ranges: list[range]) -> list[range]:
         else:
             merged.append(block)
     return merged
-
-
-def _dtensor_target(name: str, dtensor: Tensor, param: Tensor | None, collected: ModuleTargets) -> Target:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    assert isinstance(dtensor, DTensor)
-    mesh = dtensor.device_mesh
-    placements = tuple(dtensor.placements)
-    coordinate = mesh.get_coordinate()
-    shape = tuple(dtensor.shape)
-    if coordinate is not None and all(type(placement) in (Replicate, Shard) for placement in placements):
-        # a box of the full tensor: the core's layout (torch's own offsets)
-        try:
-            local, box = _local_tensor_and_box(dtensor)
-        except NotImplementedError as error:
-            raise ShardLocalUnsupported(f"the parameter {name!r}: {error}") from None
-        indices = tuple([range(part.start, part.stop)] if part.stop > part.start else [] for part in box)
-    else:
-        # `_StridedShard` (FSDP over tensor-parallel shards of the same dimension): ranges per dimension
-        indices = local_indices(shape, mesh.shape, coordinate, placements) if coordinate is not None else None
-        if indices is None:
-            raise ShardLocalUnsupported(f"the parameter {name!r} is a DTensor with placements {placements}")
-        ambiguous = ambiguous_strided_dim(shape, tuple(mesh.shape), placements)
-        if ambiguous is not None:
-            raise ShardLocalUnsupported(
-                f"the parameter {name!r} is a DTensor with placements {placements}, which torch reads in two ways"
-                f" for {shape[ambiguous]} indices of dimension {ambiguous} over the mesh {tuple(mesh.shape)}"
-            )
-        local = dtensor.to_local()
-    local_shape = tuple(_length(ranges) for ranges in indices)
-    if tuple(local.shape) != local_shape or not local.is_contiguous():
-        raise ShardLocalUnsupported(
-            f"the local tensor of {name!r} has shape {tuple(local.shape)} where its placements {placements} give"
-            f" {local_shape}"
-        )
-    runs = index_runs(shape, indices)
-    target = Target([name], shape, dtensor.dtype, local=local.view(-1), runs=runs)
-    if param is not None:
-        global_stride = dtensor.stride()
-
-        def to_state(flat: Tensor) -> Tensor:
-            return DTensor.from_local(
-                flat.view(local_shape), mesh, placements, run_check=False, shape=torch.Size(shape), stride=global_stride
-            )
-
-        collected.optimizer_params[id(param)] = OptimizerParam(local.numel(), [(target, runs)], to_state)
-    return target
 
 
 def _is_fsdp2_module(module: Module) -> bool:

@@ -143,36 +143,6 @@ def whole_target(name: str, tensor: Tensor, param: Tensor | None, collected: Mod
     return target
 
 
-class TargetCollector:
-    """Adds targets once per tensor: a tensor met again under another name (tied weights) becomes an alias."""
-
-    def __init__(self) -> None:
-        self.collected = ModuleTargets()
-        self.by_name: dict[str, Target] = {}
-        self._by_tensor: dict[int, Target] = {}
-
-    def add(self, target: Target, key: Tensor | None = None) -> None:
-        if key is not None and self.alias_of(key, *target.names):
-            return
-        if key is not None:
-            self._by_tensor[id(key)] = target
-        self.collected.targets.append(target)
-        for name in target.names:
-            self.by_name[name] = target
-
-    def alias(self, target: Target, names: list[str]) -> None:
-        target.names.extend(names)
-        for name in names:
-            self.by_name[name] = target
-
-    def alias_of(self, key: Tensor, *names: str) -> bool:
-        """Add ``names`` to the target of ``key`` if it was added before (a tied tensor); say whether it was."""
-        target = self._by_tensor.get(id(key))
-        if target is not None:
-            self.alias(target, list(names))
-        return target is not None
-
-
 def clean_name(name: str) -> str:
     """``name`` without the names that FSDP's and activation checkpointing's wrappers insert."""
     from torch.distributed.fsdp._common_utils import clean_tensor_name
