@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Optional, TypeVar, Union
 import torch
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -285,6 +286,8 @@ class _Layout(NamedTuple):
     tied: dict[str, str]
     params: dict[int, _Param]
     param_names: list[str]
+    extra_states: dict[str, Module]
+    """The modules with an extra state (``get_extra_state``), by the name of its entry: it is set whole."""
 
 
 def _join(prefix: str, name: str) -> str:
@@ -307,7 +310,7 @@ def _fsdp_layout(module: Module) -> _Layout:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-    layout = _Layout({}, {}, {}, [])
+    layout = _Layout({}, {}, {}, [], _extra_states(module))
     # the unwrapped model's order of its modules, which FSDP's wrappers keep: parameters sort by their module
     positions: dict[str, int] = {}
     for module_name, _ in module.named_modules():
@@ -360,6 +363,17 @@ def _fsdp_layout(module: Module) -> _Layout:
     return layout
 
 
+def _extra_states(module: Module) -> dict[str, Module]:
+    """The submodules that save an extra state (they override ``get_extra_state``), by the name of its entry."""
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return {
+        clean_tensor_name(_join(name, _EXTRA_STATE_KEY_SUFFIX)): submodule
+        for name, submodule in module.named_modules()
+        if type(submodule).get_extra_state is not Module.get_extra_state
+    }
+
+
 def _viewed_as(shape: torch.Size, flat: Tensor) -> Tensor:
     return flat.view(shape)
 
@@ -379,8 +393,9 @@ def _match_module_state(state_dict: Mapping[str, Any], layout: _Layout) -> tuple
         source = name if name in state_dict else next(aliases, None)
         if source is not None:
             sources[name] = source
-    unexpected = [name for name in state_dict if name not in shards and name not in tied]
-    missing = [name for name in [*shards, *tied] if name not in state_dict]
+    extra = layout.extra_states
+    unexpected = [name for name in state_dict if name not in shards and name not in tied and name not in extra]
+    missing = [name for name in [*shards, *tied, *extra] if name not in state_dict]
     return sources, missing, unexpected
 
 
@@ -411,12 +426,19 @@ def _check_module_state(state_dict: Mapping[str, Any], module: Module, layout: _
 
 
 def _copy_module_state(state_dict: Mapping[str, Any], sources: Mapping[str, str], layout: _Layout) -> None:
-    """Copy this rank's part of each tensor named in ``sources`` (see :func:`_check_module_state`) into the model."""
+    """Copy this rank's part of each tensor named in ``sources`` (see :func:`_check_module_state`) into the model.
+
+    The extra states that ``state_dict`` holds are set whole, as :meth:`torch.nn.Module.load_state_dict` sets them.
+
+    """
     with torch.no_grad():
         for name, source in sources.items():
             shard = layout.shards[name]
             if shard.local.numel():
                 shard.local.copy_(_read_part(state_dict[source], shard.index, shard.local.numel()).view_as(shard.local))
+    for name, submodule in layout.extra_states.items():
+        if name in state_dict:
+            submodule.set_extra_state(_materialized(state_dict[name]))
 
 
 def _read_part(value: Any, index: _Index, numel: int) -> Tensor:

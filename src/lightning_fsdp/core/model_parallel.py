@@ -33,7 +33,15 @@ from lightning.fabric.strategies.fsdp import _is_full_checkpoint
 from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
 from lightning.fabric.utilities.imports import _TORCH_GREATER_EQUAL_2_5
 from lightning.fabric.utilities.types import _PATH
-from lightning_fsdp.core.fsdp import _Layout, _load_full_checkpoint, _Param, _Piece, _Shard, _single_module
+from lightning_fsdp.core.fsdp import (
+    _extra_states,
+    _Layout,
+    _load_full_checkpoint,
+    _Param,
+    _Piece,
+    _Shard,
+    _single_module,
+)
 from lightning_fsdp.core.load import _find_hf_index
 
 
@@ -70,10 +78,11 @@ def _dtensor_layout(module: Module) -> _Layout:
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
     # the state dict's names: without the prefix of a wrapper that leaves it out there (activation checkpointing)
-    layout = _Layout({}, {}, {}, [clean_tensor_name(name) for name, _ in module.named_parameters()])
+    param_names = [clean_tensor_name(name) for name, _ in module.named_parameters()]
+    layout = _Layout({}, {}, {}, param_names, _extra_states(module))
     names: dict[int, str] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if not isinstance(tensor, Tensor):  # a module's extra state (`get_extra_state`) is not read into a tensor
+        if name in layout.extra_states:  # a module's extra state is set whole, not read into a tensor
             continue
         if id(tensor) in names:
             layout.tied[name] = names[id(tensor)]

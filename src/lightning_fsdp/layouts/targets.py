@@ -128,7 +128,7 @@ def names_layout(specs: Sequence[TargetSpec]) -> _Layout:
     """
     shards = {spec.names[0]: _Shard(torch.Size(spec.shape), _NOTHING, ()) for spec in specs}
     tied = {alias: spec.names[0] for spec in specs for alias in spec.names[1:]}
-    return _Layout(shards, tied, {}, [])
+    return _Layout(shards, tied, {}, [], {})
 
 
 def whole_target(name: str, tensor: Tensor, param: Tensor | None, collected: ModuleTargets) -> Target:

@@ -326,6 +326,51 @@ def test_fsdp_load_keeps_errors_for_other_checkpoints(tmp_path):
     _spawn_on_cpu(_run_master_errors, tmp_path)
 
 
+class _WithExtraState(nn.Linear):
+    """A layer that saves an extra state beside its tensors, as Transformer Engine's layers do."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extra = {"calls": 0}
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state):
+        self.extra = state
+
+
+def _write_extra_state_files(path):
+    source = nn.Sequential(_WithExtraState(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    source[0].extra = {"calls": 3}
+    state_dict = source.state_dict()
+    torch.save({"model": state_dict}, path / "full.ckpt")
+    del state_dict["0._extra_state"]
+    torch.save(state_dict, path / "without.pt")
+    return source
+
+
+def _run_extra_state(strategy, tmp_path):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with torch.device("cpu"):
+        model = nn.Sequential(_WithExtraState(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    model = strategy.setup_module(FullyShardedDataParallel(model, device_id=strategy.root_device))
+    layer = next(module for module in model.modules() if isinstance(module, _WithExtraState))
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0._extra_state"'):
+        strategy.load_checkpoint(tmp_path / "without.pt", model)
+    assert layer.extra == {"calls": 0}
+    strategy.load_checkpoint(tmp_path / "full.ckpt", {"model": model})
+    assert layer.extra == {"calls": 3}
+
+
+@RunIf(min_torch="2.4")
+def test_fsdp_load_sets_extra_state(tmp_path):
+    """A module's extra state (``get_extra_state``) is set from the checkpoint, and missing it is a strict error."""
+    _write_extra_state_files(tmp_path)
+    _spawn_on_cpu(_run_extra_state, tmp_path)
+
+
 def _save_safetensors(tensors, path):
     # `safetensors` is optional: the tests that write such files are skipped without it
     safetensors_torch = pytest.importorskip("safetensors.torch")

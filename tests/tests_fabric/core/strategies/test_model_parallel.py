@@ -317,19 +317,56 @@ def test_model_parallel_layout_names_parameters_as_the_state_dict():
             torch.testing.assert_close(param_state["exp_avg"], by_index["state"][index]["exp_avg"], rtol=0, atol=0)
 
 
-def test_model_parallel_layout_leaves_out_extra_state():
-    """A module's extra state (``get_extra_state``) is no tensor to read into: the layout lists the tensors alone."""
+class _WithExtraState(nn.Linear):
+    """A layer that saves an extra state beside its tensors, as Transformer Engine's layers do."""
 
-    class _WithExtraState(nn.Linear):
-        def get_extra_state(self):
-            return {"scale": 2}
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extra = {"calls": 0}
 
-        def set_extra_state(self, state):
-            pass
+    def get_extra_state(self):
+        return self.extra
 
-    model = nn.Sequential(_WithExtraState(2, 2), nn.Linear(2, 1))
-    assert "0._extra_state" in model.state_dict()
-    assert list(_dtensor_layout(model).shards) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    def set_extra_state(self, state):
+        self.extra = state
+
+
+def _write_extra_state_files(path):
+    source = nn.Sequential(_WithExtraState(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    source[0].extra = {"calls": 3}
+    state_dict = source.state_dict()
+    torch.save({"model": state_dict}, path / "full.ckpt")
+    del state_dict["0._extra_state"]
+    torch.save(state_dict, path / "without.pt")
+    return source
+
+
+def _shard_whole(model, device_mesh):
+    from torch.distributed._composable.fsdp.fully_shard import fully_shard
+
+    return fully_shard(model, mesh=device_mesh["data_parallel"])
+
+
+def _run_extra_state(fabric, tmp_path):
+    model = fabric.setup_module(nn.Sequential(_WithExtraState(5, 7), nn.ReLU(), nn.Linear(7, 3)))
+    layer = model.module[0]
+    assert "0._extra_state" in _dtensor_layout(model.module).extra_states
+    assert "0._extra_state" not in _dtensor_layout(model.module).shards
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0._extra_state"'):
+        fabric.load_raw(tmp_path / "without.pt", model)
+    assert layer.extra == {"calls": 0}
+    fabric.load(tmp_path / "full.ckpt", {"model": model})
+    assert layer.extra == {"calls": 3}
+
+
+@RunIf(min_torch="2.4")
+def test_model_parallel_load_sets_extra_state(tmp_path):
+    """A module's extra state (``get_extra_state``) is set from the checkpoint, and missing it is a strict error."""
+    _write_extra_state_files(tmp_path)
+    strategy = _SpawnedModelParallelStrategy(
+        _shard_whole, data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False
+    )
+    _launch(Fabric(accelerator="cpu", devices=2, strategy=strategy), _run_extra_state, tmp_path)
 
 
 def _save_safetensors(tensors, path):
