@@ -287,11 +287,11 @@ class FSDPStrategy(CheckpointOptions, _CoreFSDPStrategy):
         state into its shard, reading only those bytes, at offsets that the file's own structure proves (the zip
         directory, the safetensors header, the legacy format's pickles), by positioned reads. A pickled file loaded
         with ``weights_only=False`` may hold any object and is read whole, by at most ``load_concurrency`` ranks of a
-        node at a time. Names, shapes and dtypes (of the optimizer state too) are checked on every rank before anything
-        is written, so a failed load leaves the model as it was, and an error on any rank is raised on every rank as
-        the same :class:`~lightning_fsdp.CheckpointLoadError`; an error during the copy says that the model is
-        partially loaded. (With a source read whole, each rank checks in its own turn: a failure that only a later
-        rank hits leaves the earlier ranks loaded, and the error names the failing rank.)
+        node at a time. The model's names, shapes and dtypes, and the optimizer state's names and shapes, are checked
+        on every rank before anything is written, so a failed load leaves the model as it was, and an error on any
+        rank is raised on every rank as the same :class:`~lightning_fsdp.CheckpointLoadError`; an error during the
+        copy says that the model is partially loaded. (With a source read whole, each rank checks in its own turn: a
+        failure that only a later rank hits leaves the earlier ranks loaded, and the error names the failing rank.)
 
         The arguments are checked as upstream checks them, with upstream's exception types and messages. A path that
         upstream refuses too (neither a file nor a directory of checkpoint shards) and that holds nothing this method
