@@ -131,18 +131,6 @@ def names_layout(specs: Sequence[TargetSpec]) -> _Layout:
     return _Layout(shards, tied, {}, [], {})
 
 
-def whole_target(name: str, tensor: Tensor, param: Tensor | None, collected: ModuleTargets) -> Target:
-    """A tensor that every rank holds whole; a parameter among them gets its optimizer state whole too."""
-    target = Target([name], tuple(tensor.shape), tensor.dtype, tensor=tensor)
-    if param is not None:
-        numel = param.numel()
-        shape = param.shape
-        collected.optimizer_params[id(param)] = OptimizerParam(
-            numel, [(target, [Run(0, numel, 0)])], lambda flat: flat.view(shape)
-        )
-    return target
-
-
 def clean_name(name: str) -> str:
     """``name`` without the names that FSDP's and activation checkpointing's wrappers insert."""
     from torch.distributed.fsdp._common_utils import clean_tensor_name

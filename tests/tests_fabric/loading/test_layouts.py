@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_fsdp.layouts.optimizer import local_optimizer_state
-from lightning_fsdp.layouts.targets import ModuleTargets, OptimizerParam, Run, Target, TargetSpec, whole_target
+from lightning_fsdp.layouts.targets import ModuleTargets, OptimizerParam, Run, Target, TargetSpec
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.shard_local import copy_into_module
 from lightning_fsdp.loading.sources import DictSource, TensorRef, TensorSpec
@@ -24,6 +24,17 @@ from lightning_fsdp.loading.validation import plan_load
 _SHARD = 6
 # rank -> {name: runs (start in the flattened tensor, count, offset in the rank's shard)}
 _RUNS = {0: {"a": [Run(0, 3, 0)], "b": [Run(0, 3, 3)]}, 1: {"a": [], "b": [Run(3, 5, 0)]}}
+
+
+def _whole_target(name: str, tensor: torch.Tensor, param, collected: ModuleTargets) -> Target:
+    """A tensor that every rank holds whole; a parameter among them gets its optimizer state whole too."""
+    target = Target([name], tuple(tensor.shape), tensor.dtype, tensor=tensor)
+    if param is not None:
+        numel, shape = param.numel(), param.shape
+        collected.optimizer_params[id(param)] = OptimizerParam(
+            numel, [(target, [Run(0, numel, 0)])], lambda flat: flat.view(shape)
+        )
+    return target
 
 
 def _checkpoint() -> dict[str, torch.Tensor]:
@@ -45,7 +56,7 @@ def _fake_layout(rank: int, tied_alias: str | None = None) -> tuple[ModuleTarget
         target = Target(names, shape, torch.float32, local=flat_param.data, runs=_RUNS[rank][name])
         collected.targets.append(target)
         parts.append((target, target.runs))
-    collected.targets.append(whole_target("scale", scale, None, collected))
+    collected.targets.append(_whole_target("scale", scale, None, collected))
     collected.optimizer_params[id(flat_param)] = OptimizerParam(_SHARD, parts, lambda flat: flat)
     return collected, flat_param, scale
 
@@ -178,7 +189,7 @@ def test_optimizer_state_is_sliced_like_the_parameter(lazy):
 def test_optimizer_state_of_whole_parameter_keeps_its_shape():
     collected = ModuleTargets()
     weight = nn.Parameter(torch.zeros(2, 3))
-    collected.targets.append(whole_target("w", weight, weight, collected))
+    collected.targets.append(_whole_target("w", weight, weight, collected))
     state = {"state": {"w": {"exp_avg": torch.ones(2, 3)}}, "param_groups": [{"lr": 1.0, "params": ["w"]}]}
     local = local_optimizer_state(torch.optim.SGD([weight], lr=0.1), collected, state)
     assert torch.equal(local["state"][0]["exp_avg"], torch.ones(2, 3))
