@@ -40,6 +40,8 @@ step_start() {
   echo "=== $1 ($(left) s of the budget left)"
 }
 step_time() { echo $((SECONDS - STEP_T0)); }
+# The CUDA version torch under $PY was built for; empty for a CPU build or no torch.
+torch_cuda() { "$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null; }
 
 # The driver's view, before anything is installed: torch may not be there yet, or be a CPU build.
 gpus=0
@@ -67,7 +69,7 @@ if [ -n "${TEST_GPU_PYTHON:-}" ]; then
   PY=$TEST_GPU_PYTHON
   setup_note=" (TEST_GPU_PYTHON: $PY as it is, nothing installed)"
   echo "TEST_GPU_PYTHON=$PY: no set-up; this checkout is on PYTHONPATH."
-  cuda_build=$("$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null)
+  cuda_build=$(torch_cuda)
   if [ -z "$cuda_build" ]; then
     echo "make test-gpu: FAILED: torch under TEST_GPU_PYTHON=$PY is a CPU build (or missing): give an interpreter"
     echo "whose torch is a CUDA build, or leave TEST_GPU_PYTHON unset for the set-up in $VENV."
@@ -82,7 +84,7 @@ else
     echo "make test-gpu: FAILED: \`make setup\` did not finish (see above)."
     exit 1
   fi
-  cuda_build=$("$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null)
+  cuda_build=$(torch_cuda)
   if [ -z "$cuda_build" ]; then
     echo "torch in $VENV is a CPU build (or missing): installing the CUDA build of torch==$TORCH_VERSION from"
     echo "$TORCH_CUDA_INDEX (about 3 GB with NVIDIA's libraries; one to three minutes on a data-centre link)."
@@ -95,7 +97,7 @@ else
       echo "Set TORCH_CUDA_INDEX to an index this machine reaches that has the CUDA build."
       exit 1
     fi
-    cuda_build=$("$PY" -c "import torch; print(torch.version.cuda or '')" 2>/dev/null)
+    cuda_build=$(torch_cuda)
     setup_note=" (the CUDA build of torch installed)"
     if [ -z "$cuda_build" ]; then
       echo "make test-gpu: FAILED: $TORCH_CUDA_INDEX gave a CPU build of torch==$TORCH_VERSION."
