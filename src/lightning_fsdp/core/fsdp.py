@@ -436,7 +436,12 @@ def _copy_module_state(state_dict: Mapping[str, Any], sources: Mapping[str, str]
             shard = layout.shards[name]
             if shard.local.numel():
                 shard.local.copy_(_read_part(state_dict[source], shard.index, shard.local.numel()).view_as(shard.local))
-    for name, submodule in layout.extra_states.items():
+    _set_extra_states(state_dict, layout.extra_states)
+
+
+def _set_extra_states(state_dict: Mapping[str, Any], extra_states: Mapping[str, Module]) -> None:
+    """Set the extra state of each module in ``extra_states`` (see :func:`_extra_states`) that ``state_dict`` holds."""
+    for name, submodule in extra_states.items():
         if name in state_dict:
             submodule.set_extra_state(_materialized(state_dict[name]))
 

@@ -35,6 +35,7 @@ from lightning_fsdp.loading.sources import (
     TensorSpec,
     check_state_dict,
     map_tensors,
+    split_extra_states,
     walk_tensors,
 )
 from lightning_fsdp.loading.torch_pickle import (
@@ -318,6 +319,9 @@ class OpenedCheckpoint:
     """Whether the file is a raw module state dict rather than a Fabric checkpoint."""
     top_level_keys: list[str] = field(default_factory=list)
     extra_sources: list[TensorSource] = field(default_factory=list)
+    module_extras: dict[str, Any] = field(default_factory=dict)
+    """The module state's extra states (``<module>._extra_state``) that are not tensors, by name, with tensors inside
+    them as in ``entries``: they are set whole (see :func:`~lightning_fsdp.loading.sources.split_extra_states`)."""
 
     def check_unchanged(self) -> None:
         """Raise if a file changed since it was opened."""
@@ -328,6 +332,7 @@ class OpenedCheckpoint:
         for source in [self.source, *self.extra_sources]:
             source.close()
         self.entries.clear()
+        self.module_extras.clear()
 
 
 def open_checkpoint(
@@ -396,18 +401,29 @@ def _split_entries(
     content: Mapping[Any, Any], module_key: str | None, path: Path, make_source: Any, make_entries: Any
 ) -> OpenedCheckpoint:
     keys = [str(key) for key in content]
+
+    def opened(module_state: Mapping[Any, Any], entries: dict[str, Any], raw: bool) -> OpenedCheckpoint:
+        tensors, module_extras = split_extra_states(module_state)
+        extra_sources, entries = make_entries(entries) if entries else ([], {})
+        extras_sources, module_extras = make_entries(module_extras) if module_extras else ([], {})
+        return OpenedCheckpoint(
+            make_source(tensors),
+            entries,
+            raw=raw,
+            top_level_keys=keys,
+            extra_sources=[*extra_sources, *extras_sources],
+            module_extras=module_extras,
+        )
+
     if module_key is None and content and not any(isinstance(value, torch.Tensor) for value in content.values()):
         # `load_raw` of a checkpoint: its one module state, as from a sharded checkpoint; nothing else is read.
-        entry = _module_entry(content, path)
-        return OpenedCheckpoint(make_source(content[entry]), raw=False, top_level_keys=keys)
+        return opened(content[_module_entry(content, path)], {}, raw=False)
     module_entry = content.get(module_key) if module_key is not None else None
     if isinstance(module_entry, Mapping):
-        extra_sources, entries = make_entries({key: value for key, value in content.items() if key != module_key})
-        source = make_source(module_entry)
-        return OpenedCheckpoint(source, entries, raw=False, top_level_keys=keys, extra_sources=extra_sources)
+        return opened(module_entry, {key: value for key, value in content.items() if key != module_key}, raw=False)
     if content and not any(isinstance(value, torch.Tensor) for value in content.values()):
         raise CheckpointLoadError(_no_module_entry_message(content, module_key, path))
-    return OpenedCheckpoint(make_source(content), top_level_keys=keys)
+    return opened(content, {}, raw=True)
 
 
 def _no_module_entry_message(content: Mapping[Any, Any], module_key: str | None, path: Path) -> str:

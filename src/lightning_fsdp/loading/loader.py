@@ -17,6 +17,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.core.fsdp import _extra_states, _set_extra_states
 from lightning_fsdp.core.fsdp import _join as join
 from lightning_fsdp.layouts.fsdp1 import collect_targets
 from lightning_fsdp.layouts.fsdp2 import collect_dtensor_targets, has_dtensor_params
@@ -35,7 +36,7 @@ from lightning_fsdp.loading.materialize import init_record
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.shard_local import copy_into_module
-from lightning_fsdp.loading.sources import TensorSource, materialize
+from lightning_fsdp.loading.sources import TensorSource, is_extra_state_name, materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.turns import StaggeredLoad
 from lightning_fsdp.loading.validation import NamePlan, Rename, check_whole_module, plan_load
@@ -109,6 +110,10 @@ class _Prepared:
     optimizer_states: dict[str, dict]
     fallback_optimizers: set[str]
     written: frozenset[str] = frozenset()
+    extra_states: dict[str, Module] = field(default_factory=dict)
+    """The model's modules with an extra state (the core's ``_extra_states``), by the name of its entry."""
+    module_extras: dict[str, Any] = field(default_factory=dict)
+    """The checkpoint's extra states that are not tensors (``OpenedCheckpoint.module_extras``)."""
 
 
 _warned_fallbacks: set[str] = set()
@@ -274,9 +279,21 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
     """
     _check_requested_keys(request, opened)
     check_whole_module(request.module)
-    targets = collected.specs() if collected is not None else _unsharded_specs(request.module)
+    extra_states = _extra_states(request.module)
+    targets = collected.specs() if collected is not None else _unsharded_specs(request.module, extra_states)
     source = with_declared_conversions(request.module, opened.source, targets)
-    plan = plan_load(targets, source.specs(), strict=request.strict, rename=request.rename, ties=_ties(request.module))
+    # a module's extra state is set whole, whatever it holds (a tensor too): it is matched apart from the tensors
+    tensor_names = {name for target in targets for name in target.names}
+    extra_entries = {name for name in source.specs() if is_extra_state_name(name) and name not in tensor_names}
+    plan = plan_load(
+        targets,
+        {name: spec for name, spec in source.specs().items() if name not in extra_entries},
+        strict=request.strict,
+        rename=request.rename,
+        ties=_ties(request.module),
+        extra_states=extra_states,
+        extra_entries=[*extra_entries, *opened.module_extras],
+    )
     optimizer_states: dict[str, dict] = {}
     fallback: set[str] = set()
     for key, saved in _saved_optimizer_states(request, opened).items():
@@ -287,7 +304,7 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
             optimizer_states[key] = materialize(saved)
             fallback.add(key)
     written = frozenset(name for target in targets if target.names[0] in plan.sources for name in target.names)
-    return _Prepared(plan, source, optimizer_states, fallback, written)
+    return _Prepared(plan, source, optimizer_states, fallback, written, extra_states, opened.module_extras)
 
 
 def _apply(
@@ -302,6 +319,13 @@ def _apply(
     else:
         state_dict = {target: prepared.source.read(name) for target, name in prepared.plan.sources.items()}
         _load_with_fsdp_state_dict(request.module, state_dict, world_size)
+    # the core's setting of extra states; those that are not tensors were unpickled with the file's other objects
+    extras = prepared.module_extras
+    values = {
+        name: materialize(extras[entry]) if entry in extras else prepared.source.read(entry)
+        for name, entry in prepared.plan.extra_sources.items()
+    }
+    _set_extra_states(values, prepared.extra_states)
     for key, state in prepared.optimizer_states.items():
         optimizer = request.optimizers[key]
         if key in prepared.fallback_optimizers:
@@ -356,14 +380,15 @@ def _check_raw_request(request: LoadRequest) -> None:
         )
 
 
-def _unsharded_specs(module: Module) -> list[TargetSpec]:
+def _unsharded_specs(module: Module, extra_states: Mapping[str, Module]) -> list[TargetSpec]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     specs = []
     # Only on the fallback path: FSDP1 units this path does not know are unsharded to read their full shapes.
     with FSDP.summon_full_params(module, writeback=False) if _has_fsdp_modules(module) else nullcontext():
         for name, tensor in module.state_dict(keep_vars=True).items():
-            specs.append(TargetSpec((name,), tuple(tensor.shape), tensor.dtype))
+            if name not in extra_states:  # set whole, apart from the tensors
+                specs.append(TargetSpec((name,), tuple(tensor.shape), tensor.dtype))
     return specs
 
 

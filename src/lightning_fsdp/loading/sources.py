@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 from lightning_fsdp.loading.errors import CheckpointLoadError
 from lightning_fsdp.loading.files import (
@@ -426,6 +427,28 @@ def walk_tensors(obj: Any) -> list[tuple[str, Any]]:
     return found
 
 
+def is_extra_state_name(name: str) -> bool:
+    """Whether ``name`` is the entry of a module's extra state (``get_extra_state``), which may hold any object."""
+    return name == _EXTRA_STATE_KEY_SUFFIX or name.endswith(f".{_EXTRA_STATE_KEY_SUFFIX}")
+
+
+def split_extra_states(state_dict: Mapping[Any, Any]) -> tuple[dict[Any, Any], dict[str, Any]]:
+    """A module state dict's tensors, and its extra states that are not tensors (they are set whole, not read).
+
+    Raises:
+        CheckpointLoadError: If a name is not a string, or a value that is not an extra state is not a tensor.
+
+    """
+    extras = {
+        key: value
+        for key, value in state_dict.items()
+        if isinstance(key, str) and is_extra_state_name(key) and not isinstance(value, (torch.Tensor, TensorRef))
+    }
+    tensors = {key: value for key, value in state_dict.items() if key not in extras}
+    check_state_dict(tensors)
+    return tensors, extras
+
+
 def check_state_dict(state_dict: Mapping[Any, Any]) -> None:
     """Raise if a module state dict has names that are not strings, or values that are not tensors."""
     not_names = [key for key in state_dict if not isinstance(key, str)]
@@ -441,7 +464,7 @@ def check_state_dict(state_dict: Mapping[Any, Any]) -> None:
         raise CheckpointLoadError(
             f"The state dict holds {len(not_tensors)} value(s) that are not tensors where tensors are expected:"
             f" {shown}{', ...' if len(not_tensors) > 5 else ''}. A module state dict maps parameter and buffer"
-            " names to tensors."
+            " names to tensors (and the names of extra states, `<module>._extra_state`, to any object)."
         )
 
 

@@ -11,7 +11,7 @@ Layer: an extension of the package (docs/source-fabric/upstream.rst), not part o
 """
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 
-from lightning_fsdp.core.fsdp import _match_module_state
+from lightning_fsdp.core.fsdp import _Layout, _match_module_state
 from lightning_fsdp.layouts.targets import TargetSpec, clean_name, names_layout
 from lightning_fsdp.loading.errors import SHOWN_NAMES, CheckpointLoadError, quoted_names, shown_items
 from lightning_fsdp.loading.sources import TensorSpec
@@ -86,17 +86,34 @@ class NamePlan:
     """The prefix rename that would match every model tensor but was not applied: it changes exact matches."""
     advice: str = ""
     """With ``strict=False``: what would load the skipped tensors (a ``rename``), as the strict error advises it."""
+    extra_sources: dict[str, str] = field(default_factory=dict)
+    """Name of a module's extra state (``<module>._extra_state``) -> the name of the checkpoint entry that sets it."""
+    missing_extra: list[str] = field(default_factory=list)
+    """The model's extra states that the checkpoint does not hold."""
+    unexpected_extra: list[str] = field(default_factory=list)
+    """The checkpoint's extra states that no module of the model takes, by their names in the file."""
+
+    @property
+    def all_missing(self) -> list[str]:
+        """The missing names, tensors' and extra states' alike, as ``load_state_dict`` counts them."""
+        return [*self.missing, *self.missing_extra]
+
+    @property
+    def all_unexpected(self) -> list[str]:
+        """The unexpected names, tensors' and extra states' alike, as ``load_state_dict`` counts them."""
+        return [*self.unexpected, *self.unexpected_extra]
 
     def skipped_summary(self) -> str:
         parts = []
-        if self.missing:
+        missing, unexpected = self.all_missing, self.all_unexpected
+        if missing:
             parts.append(
-                f"{len(self.missing)} missing key(s) left as they were ({quoted_names(self.missing)}): they keep the"
+                f"{len(missing)} missing key(s) left as they were ({quoted_names(missing)}): they keep the"
                 " values they had before the load, from the model's initialisation (none, with"
                 " `init_module(empty_init=True)` and no initialisation that writes them: a warning names those)"
             )
-        if self.unexpected:
-            parts.append(f"{len(self.unexpected)} unexpected key(s) ignored ({quoted_names(self.unexpected)})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected key(s) ignored ({quoted_names(unexpected)})")
         if parts and self.declined is not None:
             parts.append(f"names matched exactly, because {self.declined.describe()}")
         summary = "; ".join(parts)
@@ -137,6 +154,8 @@ def plan_load(
     strict: bool,
     rename: Rename | None = None,
     ties: Mapping[str, Iterable[str]] | None = None,
+    extra_states: Mapping[str, Module] | None = None,
+    extra_entries: Collection[str] = (),
 ) -> NamePlan:
     """Match the checkpoint's tensors to the model's, or raise one error that lists every problem.
 
@@ -149,6 +168,10 @@ def plan_load(
     (a bf16 file into an fp32 model); other dtype changes and shape mismatches are errors even with ``strict=False``,
     as in :meth:`torch.nn.Module.load_state_dict`. ``ties`` (model name -> the names the model ties it to) turns the
     advice for a missing tied copy of a tensor that the checkpoint holds into re-tying them, not ``strict=False``.
+    ``extra_states`` (the core's :func:`~lightning_fsdp.core.fsdp._extra_states`) are the model's modules with an
+    extra state (``get_extra_state``) and ``extra_entries`` the names of the checkpoint's; they are matched by the
+    core's matching under the same rename: a missing one is a strict error and an unexpected one too, as in
+    :meth:`torch.nn.Module.load_state_dict`.
 
     """
     check_rename(rename)
@@ -161,16 +184,15 @@ def plan_load(
             plan.aligned = aligned
         elif not ambiguous:
             plan.declined = declined
+    _match_extra_states(plan, extra_states or {}, extra_entries, plan.aligned if rename is None else rename)
 
     problems = []
-    if strict and plan.missing:
+    missing, unexpected = plan.all_missing, plan.all_unexpected
+    if strict and missing:
+        problems.append(f"{len(missing)} missing key(s), in the model but not the checkpoint: {quoted_names(missing)}")
+    if strict and unexpected:
         problems.append(
-            f"{len(plan.missing)} missing key(s), in the model but not the checkpoint: {quoted_names(plan.missing)}"
-        )
-    if strict and plan.unexpected:
-        problems.append(
-            f"{len(plan.unexpected)} unexpected key(s), in the checkpoint but not the model:"
-            f" {quoted_names(plan.unexpected)}"
+            f"{len(unexpected)} unexpected key(s), in the checkpoint but not the model: {quoted_names(unexpected)}"
         )
     if shape_mismatches:
         problems.append(f"{len(shape_mismatches)} shape mismatch(es): {shown_items(shape_mismatches)}")
@@ -199,7 +221,7 @@ def plan_load(
             and inner is None
             and paired is None
         ):
-            fixes.append(f"To load only the tensors that match, {_leaving(plan.missing)}pass `strict=False`.")
+            fixes.append(f"To load only the tensors that match, {_leaving(missing)}pass `strict=False`.")
         raise CheckpointLoadError(
             "The checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
             + "\n- ".join(problems)
@@ -245,6 +267,16 @@ def _match(
         plan.sources[target.names[0]] = source_name
     plan.unexpected = [originals[name] for name in unexpected]
     return plan, shape_mismatches, dtype_mismatches
+
+
+def _match_extra_states(
+    plan: NamePlan, extra_states: Mapping[str, Module], entries: Collection[str], rename: Rename
+) -> None:
+    """Which checkpoint entry sets each of the model's extra states, by the core's matching, under ``rename``."""
+    originals = _renamed(entries, rename)
+    _, plan.missing_extra, unexpected = _match_module_state(originals, _Layout({}, {}, {}, [], dict(extra_states)))
+    plan.unexpected_extra = [originals[name] for name in unexpected]
+    plan.extra_sources = {name: originals[name] for name in extra_states if name in originals}
 
 
 def _untied_copies(targets: Sequence[TargetSpec], plan: NamePlan, ties: Mapping[str, Iterable[str]]) -> dict[str, str]:
@@ -426,8 +458,8 @@ def _rename_one(name: str, rename: Rename) -> str | None:
     return new
 
 
-def _renamed(specs: Mapping[str, TensorSpec], rename: Rename) -> dict[str, str]:
-    """New name -> the name in the file, for every tensor that ``rename`` keeps."""
+def _renamed(specs: Iterable[str], rename: Rename) -> dict[str, str]:
+    """New name -> the name in the file, for every tensor (name in ``specs``) that ``rename`` keeps."""
     if isinstance(rename, Mapping) and not rename:
         return {name: name for name in specs}
     originals: dict[str, str] = {}

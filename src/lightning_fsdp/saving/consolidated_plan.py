@@ -22,6 +22,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_fsdp.core.fsdp import _extra_states
 from lightning_fsdp.layouts.targets import ModuleTargets, Run, Target, clean_name
 from lightning_fsdp.saving import archive, export
 
@@ -146,6 +147,10 @@ def _local_state(optimizer: Optimizer) -> dict:
 
 def _plan(module: Module, optimizers: dict[str, Optimizer], fsdp2: bool, ranks: Ranks) -> tuple[_Plan, _Report]:
     collected = _collect(module, fsdp2)
+    extra_states = _extra_states(module)
+    if extra_states:
+        # `get_extra_state` may return any object, which only the gather's `torch.save` pickles
+        raise SaveUnsupported(f"the model saves an extra state ({', '.join(map(repr, list(extra_states)[:3]))})")
     for target in collected.targets:
         if not archive.storage_class_supported(target.dtype):
             raise SaveUnsupported(f"the tensor {target.names[0]!r} has the dtype {target.dtype}")

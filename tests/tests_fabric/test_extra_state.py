@@ -1,0 +1,181 @@
+"""Modules that save an extra state (``get_extra_state``), as Transformer Engine's layers do, load and save whole.
+
+``Module.load_state_dict`` calls ``set_extra_state`` with the entry ``<module>._extra_state``, which may hold any
+object (Transformer Engine keeps its FP8 metadata in a byte tensor). The package matches these entries by the core's
+matching and sets them with the core's ``_set_extra_states``, so it gives what the core and upstream give: a missing
+one is a strict error that leaves the model as it was, an unexpected one too, ``strict=False`` leaves it as it was,
+and an automatic prefix alignment renames them with the tensors. The gather-free save falls back to Lightning's own
+save for such a model (only ``torch.save`` pickles an arbitrary object), so the file holds them as Lightning's does.
+Each case runs on FSDP1 and FSDP2, on two CPU ranks.
+"""
+
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
+from lightning_fsdp.core.fsdp import FSDPStrategy as CoreFSDPStrategy
+from lightning_fsdp.core.model_parallel import ModelParallelStrategy as CoreModelParallelStrategy
+from lightning_fsdp.loading.errors import CheckpointLoadError
+from tests.tests_fabric.helpers.distributed import run_distributed
+
+_CORE = {FSDPStrategy: CoreFSDPStrategy, ModelParallelStrategy: CoreModelParallelStrategy}
+
+
+class Counted(nn.Linear):
+    """A layer whose extra state is a plain object."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counts = {"calls": 0}
+
+    def get_extra_state(self) -> Any:
+        return self.counts
+
+    def set_extra_state(self, state: Any) -> None:
+        self.counts = state
+
+
+class Tagged(nn.Linear):
+    """A layer whose extra state is a byte tensor, as Transformer Engine's FP8 metadata."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tag = torch.zeros(3, dtype=torch.uint8)
+
+    def get_extra_state(self) -> Any:
+        return self.tag
+
+    def set_extra_state(self, state: Any) -> None:
+        self.tag = state
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(Counted(8, 16), nn.ReLU(), Tagged(16, 4))
+
+
+def _parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=device_mesh["data_parallel"])
+    return fully_shard(model, mesh=device_mesh["data_parallel"])
+
+
+def _fabric(fsdp: int) -> Fabric:
+    if fsdp == 1:
+        strategy: Any = FSDPStrategy(auto_wrap_policy={Counted, Tagged}, state_dict_type="full")
+    else:
+        strategy = ModelParallelStrategy(_parallelize, save_distributed_checkpoint=False)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def _extra(model: nn.Module) -> tuple[Any, Any]:
+    counted = next(module for module in model.modules() if isinstance(module, Counted))
+    tagged = next(module for module in model.modules() if isinstance(module, Tagged))
+    return counted.counts, tagged.tag.tolist()
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of each parameter (a ``DTensor``'s local tensor)."""
+    params = model.named_parameters()
+    return {name: getattr(param, "_local_tensor", param).detach().clone() for name, param in params}
+
+
+def _fresh(fabric: Fabric) -> nn.Module:
+    fabric.seed_everything(7)
+    return fabric.setup_module(_model())
+
+
+def _through_core(fabric: Fabric) -> Any:
+    strategy_class = type(fabric.strategy)
+    return mock.patch.object(strategy_class, "load_checkpoint", _CORE[strategy_class].load_checkpoint)
+
+
+def _run(fsdp: int, directory: str) -> list[str]:
+    fabric = _fabric(fsdp)
+    torch.manual_seed(3)
+    source = _model()
+    source[0].counts = {"calls": 3}
+    source[2].tag = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    state_dict = source.state_dict()
+    if fabric.global_rank == 0:
+        torch.save({"model": state_dict, "step": 1}, f"{directory}/full.ckpt")
+        torch.save(state_dict, f"{directory}/raw.pt")
+        torch.save({f"module.{name}": value for name, value in state_dict.items()}, f"{directory}/prefixed.pt")
+        without = {name: value for name, value in state_dict.items() if name != "0._extra_state"}
+        torch.save(without, f"{directory}/without.pt")
+        torch.save({**state_dict, "1._extra_state": {"calls": 1}}, f"{directory}/unexpected.pt")
+    fabric.barrier()
+    expected = ({"calls": 3}, [1, 2, 3])
+    done = []
+
+    # a Fabric checkpoint and a raw one set both extra states, as the core sets them
+    for name, load in (
+        ("full", lambda model: fabric.load(f"{directory}/full.ckpt", {"model": model})),
+        ("raw", lambda model: fabric.load_raw(f"{directory}/raw.pt", model)),
+    ):
+        model = _fresh(fabric)
+        load(model)
+        assert _extra(model) == expected, name
+        core_model = _fresh(fabric)
+        with _through_core(fabric):
+            load(core_model)
+        assert _extra(core_model) == expected, name
+        core_weights = _weights(core_model)
+        assert all(torch.equal(value, core_weights[key]) for key, value in _weights(model).items()), name
+        done.append(name)
+
+    # a missing extra state is a strict error that leaves the model as it was
+    model = _fresh(fabric)
+    before = _weights(model)
+    missing = r"1 missing key\(s\), in the model but not the checkpoint: '0._extra_state'"
+    with pytest.raises(CheckpointLoadError, match=missing):
+        fabric.load_raw(f"{directory}/without.pt", model)
+    assert _extra(model) == ({"calls": 0}, [0, 0, 0])
+    assert all(torch.equal(value, before[key]) for key, value in _weights(model).items())
+    # ... and `strict=False` loads the rest, leaving it as it was
+    fabric.load_raw(f"{directory}/without.pt", model, strict=False)
+    assert _extra(model) == ({"calls": 0}, [1, 2, 3])
+    done.append("missing")
+
+    # an extra state that no module takes is an unexpected key
+    model = _fresh(fabric)
+    unexpected = r"1 unexpected key\(s\), in the checkpoint but not the model: '1._extra_state'"
+    with pytest.raises(CheckpointLoadError, match=unexpected):
+        fabric.load_raw(f"{directory}/unexpected.pt", model)
+    assert _extra(model) == ({"calls": 0}, [0, 0, 0])
+    fabric.load_raw(f"{directory}/unexpected.pt", model, strict=False)
+    assert _extra(model) == expected
+    done.append("unexpected")
+
+    # the automatic alignment of a prefix renames the extra states with the tensors
+    model = _fresh(fabric)
+    fabric.load_raw(f"{directory}/prefixed.pt", model)
+    assert _extra(model) == expected
+    done.append("aligned")
+
+    # the save holds them as Lightning's own save does (the package falls back to it for such a model)
+    fabric.save(f"{directory}/saved-{fsdp}.ckpt", {"model": model})
+    fabric.barrier()
+    saved = torch.load(f"{directory}/saved-{fsdp}.ckpt", weights_only=True)["model"]
+    assert saved["0._extra_state"] == {"calls": 3}
+    assert saved["2._extra_state"].tolist() == [1, 2, 3]
+    assert saved.keys() == state_dict.keys()
+    for name, value in state_dict.items():
+        if name != "0._extra_state":
+            assert torch.equal(saved[name], value), name
+    done.append("saved")
+    return done
+
+
+@pytest.mark.parametrize("fsdp", [1, 2], ids=["fsdp1", "fsdp2"])
+def test_extra_states_load_and_save_whole(tmp_path, fsdp):
+    results = run_distributed(_run, fsdp, str(tmp_path), devices=2)
+    assert results == [["full", "raw", "missing", "unexpected", "aligned", "saved"]] * 2
