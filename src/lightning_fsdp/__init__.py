@@ -16,15 +16,22 @@ from lightning_fsdp.__about__ import __version__  # noqa: E402
 
 if TYPE_CHECKING:
     from lightning_fsdp.loading.convert import convert_checkpoint
-    from lightning_fsdp.loading.errors import CheckpointLoadError, CheckpointPathError
+    from lightning_fsdp.loading.errors import (
+        CheckpointKeyError,
+        CheckpointLoadError,
+        CheckpointPathError,
+        CheckpointValueError,
+    )
     from lightning_fsdp.model_parallel import ModelParallelStrategy
     from lightning_fsdp.opt_in import disable, enable, is_enabled
     from lightning_fsdp.strategy import FSDPStrategy
 
 #: Each public name and the module that defines it.
 _PUBLIC = {
+    "CheckpointKeyError": "lightning_fsdp.loading.errors",
     "CheckpointLoadError": "lightning_fsdp.loading.errors",
     "CheckpointPathError": "lightning_fsdp.loading.errors",
+    "CheckpointValueError": "lightning_fsdp.loading.errors",
     "FSDPStrategy": "lightning_fsdp.strategy",
     "ModelParallelStrategy": "lightning_fsdp.model_parallel",
     "convert_checkpoint": "lightning_fsdp.loading.convert",
@@ -34,8 +41,10 @@ _PUBLIC = {
 }
 
 __all__ = [
+    "CheckpointKeyError",
     "CheckpointLoadError",
     "CheckpointPathError",
+    "CheckpointValueError",
     "FSDPStrategy",
     "ModelParallelStrategy",
     "__version__",

@@ -46,7 +46,13 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from lightning_fsdp.loading.errors import CheckpointLoadError, described, unexpected_cause
+from lightning_fsdp.loading.errors import (
+    CheckpointLoadError,
+    described,
+    error_class,
+    unexpected_cause,
+    upstream_kind,
+)
 
 #: Where the agreements' keys live in the store.
 _KEY_ROOT = "lightning_fsdp/agreement"
@@ -106,6 +112,8 @@ class _Failure(NamedTuple):
     message: str
     unresponsive: bool
     """Whether another rank published it because the failed rank stopped responding."""
+    kind: str | None = None
+    """The upstream type that the error was (``"KeyError"``, ``"ValueError"``: see ``errors.upstream_kind``)."""
 
 
 class Agreement:
@@ -312,7 +320,7 @@ class Agreement:
         message = described(error)
         if len(message) > _MAX_MESSAGE_CHARS:
             message = message[: _MAX_MESSAGE_CHARS - 3] + "..."
-        self._append_failure(self._rank, message, self._agreements)
+        self._append_failure(self._rank, message, self._agreements, kind=upstream_kind(error))
 
     def discard_later(self, store: dist.Store, keys: Iterable[str]) -> None:
         """Delete ``keys`` of ``store`` (a prefix store under :attr:`store`) once no rank can read them any more.
@@ -439,13 +447,21 @@ class Agreement:
                 record = json.loads(line)
                 if int(record.get("phase", 0)) > phase:
                     continue
-                failure = _Failure(str(record["message"]), bool(record.get("unresponsive", False)))
+                kind = record.get("kind")
+                failure = _Failure(
+                    str(record["message"]),
+                    bool(record.get("unresponsive", False)),
+                    kind if isinstance(kind, str) else None,
+                )
                 failures.setdefault(int(record["rank"]), failure)
         return failures
 
-    def _append_failure(self, rank: int, message: str, phase: int, unresponsive: bool = False) -> None:
+    def _append_failure(
+        self, rank: int, message: str, phase: int, unresponsive: bool = False, kind: str | None = None
+    ) -> None:
         assert self._store is not None
-        record = json.dumps({"rank": rank, "message": message, "phase": phase, "unresponsive": unresponsive}) + "\n"
+        fields = {"rank": rank, "message": message, "phase": phase, "unresponsive": unresponsive, "kind": kind}
+        record = json.dumps(fields) + "\n"
         # If the store is gone, so is the job: the original error is what matters.
         with suppress(RuntimeError):
             self._store.append("failures", record)
@@ -592,7 +608,9 @@ def _agreed_error(description: str, failures: dict[int, _Failure], note: str = "
         message = f"{description} failed on ranks {_format_ranks(ranks)}:\n" + "\n".join(lines)
     if note:
         message += f"\n{note}"
-    return CheckpointLoadError(message, failed_ranks=tuple(ranks))
+    # every rank raises the upstream type of the failure (`KeyError`, ...) where all failed ranks agree on it
+    kinds = {failures[rank].kind for rank in ranks}
+    return error_class(kinds.pop() if len(kinds) == 1 else None)(message, failed_ranks=tuple(ranks))
 
 
 def _format_ranks(ranks: list[int]) -> str:

@@ -3,7 +3,8 @@
 The slicing is the core's (:func:`lightning_fsdp.core.fsdp._local_optimizer_state`, the function that goes to
 Lightning): this module gives it the package's layouts (:class:`~lightning_fsdp.layouts.targets.ModuleTargets`, for
 FSDP1 and FSDP2 alike) and the package's lazy tensors (:class:`~lightning_fsdp.loading.sources.TensorRef`, read by
-byte ranges), checks the entry's structure first, and reports a mismatch as a :class:`CheckpointLoadError`.
+byte ranges), checks the entry's structure first, and reports a mismatch as a :class:`CheckpointValueError` (a
+``ValueError``, as the core raises it).
 
 Layer: shared infrastructure (``lightning_fsdp.layouts``), used by loading and saving; not part of the core.
 """
@@ -15,7 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_fsdp.core.fsdp import _Layout, _local_optimizer_state, _Param, _Piece
 from lightning_fsdp.layouts.targets import ModuleTargets, names_layout
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import CheckpointValueError
 
 
 def local_optimizer_state(optimizer: Optimizer, collected: ModuleTargets, full_state: Mapping[str, Any]) -> dict:
@@ -25,25 +26,25 @@ def local_optimizer_state(optimizer: Optimizer, collected: ModuleTargets, full_s
     unwrapped model: the order of the model's parameters, ``collected.param_names``).
 
     Raises:
-        CheckpointLoadError: If the entry is not an optimizer state dict, or the checkpoint's optimizer does not match
+        CheckpointValueError: If the entry is not an optimizer state dict, or the checkpoint's optimizer does not match
             this optimizer and model (param groups, parameters, shapes of the states).
 
     """
     state = full_state.get("state") if isinstance(full_state, Mapping) else None
     groups = full_state.get("param_groups") if isinstance(full_state, Mapping) else None
     if not isinstance(state, Mapping) or not isinstance(groups, list):
-        raise CheckpointLoadError(
+        raise CheckpointValueError(
             "The checkpoint's optimizer entry is not an optimizer state dict (it needs `state` and `param_groups`)."
         )
     for name, saved in state.items():
         if not isinstance(saved, Mapping):
-            raise CheckpointLoadError(
+            raise CheckpointValueError(
                 f"The checkpoint's optimizer state of {name!r} is a {type(saved).__name__}, not a dict of states."
             )
     try:
         return _local_optimizer_state(full_state, optimizer, core_layout(collected))
     except ValueError as error:
-        raise CheckpointLoadError(str(error)) from None
+        raise CheckpointValueError(str(error)) from None
 
 
 def core_layout(collected: ModuleTargets) -> _Layout:

@@ -40,7 +40,29 @@ class CheckpointLoadError(RuntimeError):
         self.cause = cause
 
 
-class CheckpointPathError(CheckpointLoadError, ValueError):
+class CheckpointKeyError(CheckpointLoadError, KeyError):
+    """The checkpoint has no entry that the state asks for (the model's key, an optimizer's, ``"step"``).
+
+    It is also a ``KeyError``, the type that Lightning's own strategies raise there, so that code written against
+    upstream (``except KeyError``) and code written against this package (``except CheckpointLoadError``) both catch it.
+
+    """
+
+    def __str__(self) -> str:
+        # a `KeyError` shows the repr of its key; this one's argument is a message
+        return BaseException.__str__(self)
+
+
+class CheckpointValueError(CheckpointLoadError, ValueError):
+    """A value that the load was given or found is invalid (an optimizer state that does not fit the optimizer).
+
+    It is also a ``ValueError``, the type that Lightning's own strategies and the core raise there (see
+    :class:`CheckpointKeyError`).
+
+    """
+
+
+class CheckpointPathError(CheckpointValueError):
     """The path holds no checkpoint: it does not exist, or it holds nothing that loads.
 
     It is also a ``ValueError``, the type that Lightning's own ``FSDPStrategy`` raises for a path it refuses, so that
@@ -48,6 +70,23 @@ class CheckpointPathError(CheckpointLoadError, ValueError):
     (``except CheckpointLoadError``) both catch it.
 
     """
+
+
+#: The types that upstream raises where this package raises a :class:`CheckpointLoadError` that is also one of them.
+_UPSTREAM_TYPES: dict[str, tuple[type[Exception], type[CheckpointLoadError]]] = {
+    "KeyError": (KeyError, CheckpointKeyError),
+    "ValueError": (ValueError, CheckpointValueError),
+}
+
+
+def upstream_kind(error: BaseException) -> str | None:
+    """The name of the upstream type that ``error`` is (``"KeyError"``, ``"ValueError"``), if it is one of them."""
+    return next((kind for kind, (base, _) in _UPSTREAM_TYPES.items() if isinstance(error, base)), None)
+
+
+def error_class(kind: str | None) -> type[CheckpointLoadError]:
+    """The :class:`CheckpointLoadError` that is also the upstream type named ``kind`` (see :func:`upstream_kind`)."""
+    return _UPSTREAM_TYPES[kind][1] if kind in _UPSTREAM_TYPES else CheckpointLoadError
 
 
 def unexpected_cause(cause: BaseException | None) -> BaseException | None:

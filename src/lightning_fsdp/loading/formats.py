@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_fsdp.loading.errors import CheckpointLoadError, first_line, printable, quoted_names
+from lightning_fsdp.loading.errors import CheckpointKeyError, CheckpointLoadError, first_line, printable, quoted_names
 from lightning_fsdp.loading.files import CheckpointPath, StoragePath, lexists, open_stream, require_regular_file
 from lightning_fsdp.loading.legacy import read_legacy_structure
 from lightning_fsdp.loading.safetensors_header import read_safetensors_header, read_safetensors_locations
@@ -422,7 +422,7 @@ def _split_entries(
     if isinstance(module_entry, Mapping):
         return opened(module_entry, {key: value for key, value in content.items() if key != module_key}, raw=False)
     if content and not any(isinstance(value, torch.Tensor) for value in content.values()):
-        raise CheckpointLoadError(_no_module_entry_message(content, module_key, path))
+        raise CheckpointKeyError(_no_module_entry_message(content, module_key, path))
     return opened(content, {}, raw=True)
 
 

@@ -24,7 +24,15 @@ from lightning_fsdp.layouts.fsdp2 import collect_dtensor_targets, has_dtensor_pa
 from lightning_fsdp.layouts.optimizer import local_optimizer_state
 from lightning_fsdp.layouts.targets import ModuleTargets, ShardLocalUnsupported, TargetSpec, clean_name
 from lightning_fsdp.loading.conversions import with_declared_conversions
-from lightning_fsdp.loading.errors import CheckpointLoadError, described, quoted_names, unexpected_cause
+from lightning_fsdp.loading.errors import (
+    CheckpointKeyError,
+    CheckpointLoadError,
+    described,
+    error_class,
+    quoted_names,
+    unexpected_cause,
+    upstream_kind,
+)
 from lightning_fsdp.loading.formats import (
     CheckpointFormat,
     DetectedCheckpoint,
@@ -169,14 +177,19 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
 
 @contextmanager
 def _one_error_type() -> Iterator[None]:
-    """Every failure of a load is a :class:`CheckpointLoadError` with a short message; the error is its ``cause``."""
+    """Every failure of a load is a :class:`CheckpointLoadError` with a short message; the error is its ``cause``.
+
+    An error of a type that upstream raises (a ``KeyError``, a ``ValueError``, as the core's optimizer checks raise)
+    stays one: it becomes the ``CheckpointLoadError`` that is also that type (see :func:`~.errors.error_class`).
+
+    """
     try:
         yield
     except CheckpointLoadError:
         raise
     except Exception as error:
         message = f"{type(error).__name__}: {first_line(error)}"
-        raise CheckpointLoadError(message, cause=error) from unexpected_cause(error)
+        raise error_class(upstream_kind(error))(message, cause=error) from unexpected_cause(error)
 
 
 def _load_file(
@@ -342,7 +355,7 @@ def _check_requested_keys(request: LoadRequest, opened: OpenedCheckpoint) -> Non
     listed = request.optimizers if request.optimizer_list is None else []
     absent = sorted(key for key in [*listed, *request.metadata_keys] if key not in opened.entries)
     if absent and request.strict:
-        raise CheckpointLoadError(
+        raise CheckpointKeyError(
             f"The checkpoint has no entry {', '.join(repr(k) for k in absent)} that the state asks for. Its entries"
             f" are {', '.join(repr(k) for k in opened.top_level_keys)}. To load what is there, pass `strict=False`."
         )
@@ -373,7 +386,7 @@ def _check_raw_request(request: LoadRequest) -> None:
     """A raw module state dict (a file or a sharded directory) holds no optimizer state and no other objects."""
     requested = sorted([*request.optimizers, *request.metadata_keys])
     if requested and request.strict:
-        raise CheckpointLoadError(
+        raise CheckpointKeyError(
             "The checkpoint is a raw module state dict: it holds the model's weights only, not the requested"
             f" {', '.join(repr(k) for k in requested)}. To load the weights alone, pass `strict=False` (the other"
             f" objects are left untouched) or use {request.weights_alone}."

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from lightning_fsdp.loading.errors import (
+    CheckpointKeyError,
     CheckpointLoadError,
     printable,
     shown_items,
@@ -109,7 +110,7 @@ def check_sharded_request(
         return metadata, stored
     entries = ", ".join(repr(key) for key in sorted(stored | set(map(str, metadata))))
     if module_key not in stored:
-        raise CheckpointLoadError(
+        raise CheckpointKeyError(
             f"The sharded checkpoint {str(path)!r} has no entry {module_key!r} for the model. Its entries are"
             f" {entries}: pass the model under the key it was saved with."
         )
@@ -117,7 +118,7 @@ def check_sharded_request(
         [key for key in optimizer_keys if key not in stored] + [k for k in metadata_keys if k not in metadata]
     )
     if absent and strict:
-        raise CheckpointLoadError(
+        raise CheckpointKeyError(
             f"The sharded checkpoint has no entry {', '.join(repr(k) for k in absent)} that the state asks for. Its"
             f" entries are {entries}. To load what is there, pass `strict=False`."
         )

@@ -23,7 +23,12 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 
 from lightning_fsdp.distributed import agreement
 from lightning_fsdp.distributed.agreement import Agreement, poll_until
-from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.loading.errors import (
+    CheckpointKeyError,
+    CheckpointLoadError,
+    CheckpointPathError,
+    CheckpointValueError,
+)
 from lightning_fsdp.loading.progress import LoadProgress
 from lightning_fsdp.loading.turns import StaggeredLoad
 
@@ -167,6 +172,28 @@ def test_failures_of_several_ranks_are_listed_by_rank(make_store):
         "- rank 0: KeyError: 'missing on rank 0'\n"
         "- rank 2: KeyError: 'missing on rank 2'"
     }
+
+
+@pytest.mark.parametrize(
+    ("raised", "expected"),
+    [
+        ({0: KeyError, 2: KeyError}, CheckpointKeyError),
+        ({1: ValueError}, CheckpointValueError),
+        ({0: CheckpointPathError}, CheckpointValueError),
+        ({0: KeyError, 2: ValueError}, CheckpointLoadError),
+        ({2: OSError}, CheckpointLoadError),
+    ],
+)
+def test_every_rank_raises_the_upstream_type_that_the_failures_share(make_store, raised, expected):
+    """A ``KeyError`` on the failing ranks is a ``KeyError`` on every rank (a ``CheckpointKeyError``), as upstream's."""
+
+    def rank_fn(rank: int, store: dist.Store) -> None:
+        with Agreement(store=store, rank=rank, world_size=3, namespace="test"):
+            if rank in raised:
+                raise raised[rank]("failed")
+
+    outcomes = _in_threads(3, rank_fn, make_store)
+    assert [type(error) for _, error in outcomes] == [expected] * 3
 
 
 @pytest.mark.parametrize("late_outcome", ["fails", "succeeds"])
