@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The three checks against Lightning's own code, at once (each is one pytest process; on 2 cores the three together
+# The four checks against Lightning's own code, at once (each is one pytest process; on 2 cores the four together
 # take about as long as the longest alone): tools/test_patched_upstream.sh (the series in Lightning's master, Lightning's
-# tests), tools/test_core_on_sdist.sh (the series in the installed release's sdist, the core's tests) and
-# tools/test_trainer_drop_in.sh (Lightning's Trainer strategy tests against lightning_fsdp.pytorch). Each one's output
+# tests), tools/test_core_on_sdist.sh (the series in the installed release's sdist, the core's tests),
+# tools/test_trainer_drop_in.sh (Lightning's Trainer strategy tests against lightning_fsdp.pytorch) and
+# tools/test_fabric_drop_in.sh (Lightning's Fabric strategy tests against lightning_fsdp). Each one's output
 # is printed whole, in that order, once all have finished; the exit status is the first failure's, or 0.
 # Usage: tools/test_upstream_checks.sh [PYTHON]   (default: .venv/bin/python)
 set -uo pipefail
@@ -11,7 +12,7 @@ PY=${1:-${PY:-.venv/bin/python}}
 started=$(date +%s)
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
-CHECKS=(test_patched_upstream test_core_on_sdist test_trainer_drop_in)
+CHECKS=(test_patched_upstream test_core_on_sdist test_trainer_drop_in test_fabric_drop_in)
 pids=()
 for check in "${CHECKS[@]}"; do
     bash "tools/$check.sh" "$PY" >"$LOGS/$check.log" 2>&1 &
