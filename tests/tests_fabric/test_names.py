@@ -244,7 +244,10 @@ def test_bad_renames_are_refused(state_dict):
 
 def test_load_raw_takes_the_one_module_entry(tmp_path, state_dict):
     trainer = {"state_dict": state_dict, "epoch": 3, "optimizer_states": [{"state": {}, "param_groups": []}]}
-    for name, content in {"fabric": {"model": state_dict, "step": 3}, "trainer": trainer}.items():
+    # a tensor beside the module state (`"step": torch.tensor(3)`) does not make the file a raw state dict
+    fabric_tensor_step = {"model": state_dict, "step": torch.tensor(3)}
+    contents = {"fabric": {"model": state_dict, "step": 3}, "trainer": trainer, "tensor_step": fabric_tensor_step}
+    for name, content in contents.items():
         torch.save(content, tmp_path / f"{name}.ckpt")
         for weights_only in (True, False):
             opened = open_checkpoint(detect_checkpoint(tmp_path / f"{name}.ckpt"), None, weights_only)
@@ -268,14 +271,24 @@ def test_load_raw_takes_the_one_module_entry(tmp_path, state_dict):
             r" `fabric.load\(path, \{'module': model\}\)` or `fabric.load\(path, \{'ema': model\}\)`\.$",
         ),
         ({"optimizer": {"state": {}, "param_groups": []}, "step": 1}, r"none of them holds a module state"),
+        # a tensor beside the module state does not make the file a raw state dict (it did: "not tensors" was raised)
+        (
+            {"state_dict": "STATE", "step": torch.tensor(3)},
+            r"weights are under 'state_dict'\. Load them with `fabric.load_raw\(path, model\)` or",
+        ),
+        ({"weight": torch.ones(2), "note": "x"}, r"not a raw module state dict either: beside tensors it holds 'note'"),
+        ({}, r"is empty: it has no entry 'model' for the model"),
     ],
 )
 def test_fabric_load_without_the_model_entry_names_the_calls_that_work(tmp_path, state_dict, content, pattern):
-    content = {key: state_dict if value == "STATE" else value for key, value in content.items()}
+    content = {
+        key: state_dict if isinstance(value, str) and value == "STATE" else value for key, value in content.items()
+    }
     torch.save(content, tmp_path / "other.ckpt")
     with pytest.raises(CheckpointLoadError, match=pattern) as error:
         open_checkpoint(detect_checkpoint(tmp_path / "other.ckpt"), "model", weights_only=True)
     assert "{'model': model}" not in str(error.value)  # never the call that just failed
+    assert isinstance(error.value, KeyError)  # upstream's type: `KeyError: 'model'`
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ from lightning_fsdp.loading.sources import (
     TensorSource,
     TensorSpec,
     check_state_dict,
+    is_extra_state_name,
     map_tensors,
     split_extra_states,
     walk_tensors,
@@ -415,15 +416,30 @@ def _split_entries(
             module_extras=module_extras,
         )
 
-    if module_key is None and content and not any(isinstance(value, torch.Tensor) for value in content.values()):
+    raw = _is_raw_state_dict(content)
+    if module_key is None and not raw and _module_state_entries(content):
         # `load_raw` of a checkpoint: its one module state, as from a sharded checkpoint; nothing else is read.
         return opened(content[_module_entry(content, path)], {}, raw=False)
     module_entry = content.get(module_key) if module_key is not None else None
     if isinstance(module_entry, Mapping):
         return opened(module_entry, {key: value for key, value in content.items() if key != module_key}, raw=False)
-    if content and not any(isinstance(value, torch.Tensor) for value in content.values()):
+    if module_key is not None and not raw:
         raise CheckpointKeyError(_no_module_entry_message(content, module_key, path))
+    # a module state dict (`load_raw` of one that holds something else is refused with what is not a tensor)
     return opened(content, {}, raw=True)
+
+
+def _is_raw_state_dict(content: Mapping[Any, Any]) -> bool:
+    """Whether a file holds a module state dict alone: every value a tensor, but a module's extra state (any object).
+
+    The core's rule (``_is_raw_state_dict``: every value a tensor), with the extra states that the package loads
+    (see :func:`~lightning_fsdp.loading.sources.split_extra_states`).
+
+    """
+    return bool(content) and all(
+        isinstance(value, torch.Tensor) or (isinstance(key, str) and is_extra_state_name(key))
+        for key, value in content.items()
+    )
 
 
 def _no_module_entry_message(content: Mapping[Any, Any], module_key: str | None, path: Path) -> str:
@@ -434,6 +450,16 @@ def _no_module_entry_message(content: Mapping[Any, Any], module_key: str | None,
         f"The checkpoint {str(path)!r} has no entry {module_key!r} for the model, and it is not a raw module state"
         f" dict either. Its entries are {shown}"
     )
+    if not content:
+        return f"The checkpoint {str(path)!r} is empty: it has no entry {module_key!r} for the model. Check the path."
+    if not states and any(isinstance(value, torch.Tensor) for value in content.values()):
+        others = [str(key) for key, value in content.items() if not isinstance(value, torch.Tensor)]
+        return (
+            f"The checkpoint {str(path)!r} has no entry {module_key!r} for the model, and it is not a raw module state"
+            f" dict either: beside tensors it holds {quoted_names(others)}, which a module state dict does"
+            " not hold. Save the model's state dict alone (`torch.save(model.state_dict(), path)`), or under a key"
+            " (`{'model': model.state_dict(), ...}`) and load it under that key."
+        )
     if not states:
         return (
             f"{refusal}, and none of them holds a module state (a dict of tensors): it holds no model weights to load."
