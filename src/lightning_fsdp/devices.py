@@ -41,9 +41,12 @@ from lightning.fabric.plugins.environments import (
 )
 from torch.nn import Module
 
+from lightning_fsdp.layouts.targets import clean_name
+
 _MAX_LISTED = 10
-# Prefixes that wrappers insert into parameter names; removed so that errors show the names the user knows.
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_forward_module.", "_orig_mod.")
+# Prefixes that Fabric's and `torch.compile`'s wrappers insert into parameter names (FSDP's and activation
+# checkpointing's are removed by torch's `clean_tensor_name`); removed so that errors show the names the user knows.
+_WRAPPER_PREFIXES = ("_forward_module.", "_orig_mod.")
 
 
 @dataclass(frozen=True)
@@ -379,6 +382,7 @@ def _named_tensors(module: Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _clean_name(name: str) -> str:
+    name = clean_name(name)
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
