@@ -6,7 +6,8 @@ matching and sets them with the core's ``_set_extra_states``, so it gives what t
 one is a strict error that leaves the model as it was, an unexpected one too, ``strict=False`` leaves it as it was,
 and an automatic prefix alignment renames them with the tensors. The gather-free save falls back to Lightning's own
 save for such a model (only ``torch.save`` pickles an arbitrary object), so the file holds them as Lightning's does.
-Each case runs on FSDP1 and FSDP2, on two CPU ranks.
+A sharded checkpoint (torch's distributed checkpoint, which stores a dict under the path of each of its leaves) loads
+them too. Each case runs on FSDP1 and FSDP2, on two CPU ranks.
 """
 
 from typing import Any
@@ -66,11 +67,12 @@ def _parallelize(model: nn.Module, device_mesh: Any) -> nn.Module:
     return fully_shard(model, mesh=device_mesh["data_parallel"])
 
 
-def _fabric(fsdp: int) -> Fabric:
+def _fabric(fsdp: int, sharded: bool = False) -> Fabric:
     if fsdp == 1:
-        strategy: Any = FSDPStrategy(auto_wrap_policy={Counted, Tagged}, state_dict_type="full")
+        state_dict_type = "sharded" if sharded else "full"
+        strategy: Any = FSDPStrategy(auto_wrap_policy={Counted, Tagged}, state_dict_type=state_dict_type)
     else:
-        strategy = ModelParallelStrategy(_parallelize, save_distributed_checkpoint=False)
+        strategy = ModelParallelStrategy(_parallelize, save_distributed_checkpoint=sharded)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     return fabric
@@ -179,3 +181,27 @@ def _run(fsdp: int, directory: str) -> list[str]:
 def test_extra_states_load_and_save_whole(tmp_path, fsdp):
     results = run_distributed(_run, fsdp, str(tmp_path), devices=2)
     assert results == [["full", "raw", "missing", "unexpected", "aligned", "saved"]] * 2
+
+
+def _run_sharded(fsdp: int, directory: str) -> tuple[Any, Any]:
+    fabric = _fabric(fsdp, sharded=True)
+    model = _fresh(fabric)
+    for module in model.modules():
+        if isinstance(module, Counted):
+            module.counts = {"calls": 5, "scales": [0.5, 2.0]}
+        if isinstance(module, Tagged):
+            module.tag = torch.tensor([4, 5, 6], dtype=torch.uint8)
+    fabric.save(f"{directory}/sharded", {"model": model})
+    loaded = _fresh(fabric)
+    # the distributed checkpoint reads into the structure of the state that it is given, as in Lightning's own load
+    next(module for module in loaded.modules() if isinstance(module, Counted)).counts = {"calls": 0, "scales": [1.0]}
+    fabric.load(f"{directory}/sharded", {"model": loaded})
+    assert all(torch.equal(value, _weights(model)[key]) for key, value in _weights(loaded).items())
+    return _extra(loaded)
+
+
+@pytest.mark.parametrize("fsdp", [1, 2], ids=["fsdp1", "fsdp2"])
+def test_extra_states_in_a_sharded_checkpoint(tmp_path, fsdp):
+    """The distributed checkpoint stores a dict under its leaves' paths: they are the extra state's, not unexpected."""
+    results = run_distributed(_run_sharded, fsdp, str(tmp_path), devices=2)
+    assert results == [({"calls": 5, "scales": [0.5, 2.0]}, [4, 5, 6])] * 2

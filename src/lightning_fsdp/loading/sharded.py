@@ -241,10 +241,14 @@ def _check_against_model(
         What ``strict=False`` leaves out (missing and unexpected keys), or an empty string.
 
     """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
     entries = metadata.state_dict_metadata
+    # DCP stores a nested value (a module's extra state that is a dict) under the dotted path of each of its leaves
+    flat_state, _ = flatten_state_dict(dict(model_state))
     mismatches: list[str] = []
     missing = []
-    for name, value in model_state.items():
+    for name, value in flat_state.items():
         entry = entries.get(prefix + name)
         if entry is None:
             missing.append(name)
@@ -255,7 +259,7 @@ def _check_against_model(
         elif not isinstance(entry, BytesStorageMetadata):
             mismatches.append(f"{prefix + name!r}: checkpoint tensor, model {type(value).__name__}")
     unexpected = [
-        fqn[len(prefix) :] for fqn in entries if fqn.startswith(prefix) and fqn[len(prefix) :] not in model_state
+        fqn[len(prefix) :] for fqn in entries if fqn.startswith(prefix) and fqn[len(prefix) :] not in flat_state
     ]
     for key in optimizer_keys:
         mismatches += _optimizer_mismatches(entries, key, model_state)
