@@ -7,7 +7,7 @@ one is a strict error that leaves the model as it was, an unexpected one too, ``
 and an automatic prefix alignment renames them with the tensors. The gather-free save falls back to Lightning's own
 save for such a model (only ``torch.save`` pickles an arbitrary object), so the file holds them as Lightning's does.
 A sharded checkpoint (torch's distributed checkpoint, which stores a dict under the path of each of its leaves) loads
-them too. Each case runs on FSDP1 and FSDP2, on two CPU ranks.
+them too, one written by Fabric or by ``convert_checkpoint``. Each case runs on FSDP1 and FSDP2, on two CPU ranks.
 """
 
 from typing import Any
@@ -18,7 +18,7 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from lightning_fsdp import FSDPStrategy, ModelParallelStrategy
+from lightning_fsdp import FSDPStrategy, ModelParallelStrategy, convert_checkpoint
 from lightning_fsdp.core.fsdp import FSDPStrategy as CoreFSDPStrategy
 from lightning_fsdp.core.model_parallel import ModelParallelStrategy as CoreModelParallelStrategy
 from lightning_fsdp.loading.errors import CheckpointLoadError
@@ -163,6 +163,15 @@ def _run(fsdp: int, directory: str) -> list[str]:
     assert _extra(model) == expected
     done.append("aligned")
 
+    # `convert_checkpoint` writes them into the sharded checkpoint, which loads them back
+    if fabric.global_rank == 0:
+        convert_checkpoint(f"{directory}/full.ckpt", f"{directory}/converted-{fsdp}")
+    fabric.barrier()
+    model = _fresh(fabric)
+    fabric.load(f"{directory}/converted-{fsdp}", {"model": model})
+    assert _extra(model) == expected
+    done.append("converted")
+
     # the save holds them as Lightning's own save does (the package falls back to it for such a model)
     fabric.save(f"{directory}/saved-{fsdp}.ckpt", {"model": model})
     fabric.barrier()
@@ -180,7 +189,7 @@ def _run(fsdp: int, directory: str) -> list[str]:
 @pytest.mark.parametrize("fsdp", [1, 2], ids=["fsdp1", "fsdp2"])
 def test_extra_states_load_and_save_whole(tmp_path, fsdp):
     results = run_distributed(_run, fsdp, str(tmp_path), devices=2)
-    assert results == [["full", "raw", "missing", "unexpected", "aligned", "saved"]] * 2
+    assert results == [["full", "raw", "missing", "unexpected", "aligned", "converted", "saved"]] * 2
 
 
 def _run_sharded(fsdp: int, directory: str) -> tuple[Any, Any]:

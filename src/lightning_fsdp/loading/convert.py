@@ -154,7 +154,9 @@ def convert_checkpoint(
     opened = open_checkpoint(detected, module_key, weights_only, verify_crc=True)
     try:
         metadata, skipped = _metadata_and_skipped(opened)
-        return _write_sharded(opened.source, output, module_key, metadata, skipped, chunk_bytes, on_chunk)
+        # a module's extra states that are not tensors (`get_extra_state`) are written whole, as DCP writes objects
+        extras = materialize(opened.module_extras)
+        return _write_sharded(opened.source, output, module_key, metadata, skipped, chunk_bytes, on_chunk, extras)
     finally:
         opened.close()
 
@@ -167,14 +169,16 @@ def _write_sharded(
     skipped: list[str],
     chunk_bytes: int,
     on_chunk: Callable[[int], None] | None,
+    extras: dict[str, Any] | None = None,
 ) -> "ConversionResult":
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
     specs = tensor_source.specs()
-    state_dict = {
-        module_key: {name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()}
+    module_state: dict[str, Any] = {
+        name: torch.empty(spec.shape, dtype=spec.dtype, device="meta") for name, spec in specs.items()
     }
+    state_dict = {module_key: {**module_state, **(extras or {})}}
     # Writing a chunk holds it twice (the read and torch's serialization), so chunks of at most half the largest
     # tensor keep the peak near one largest tensor.
     largest = max((spec.nbytes for spec in specs.values()), default=0)
@@ -257,9 +261,10 @@ def _streaming_save_planner() -> type["DefaultSavePlanner"]:
             self.chunks = len(items)
             return self.plan
 
-        def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        def resolve_data(self, write_item: WriteItem) -> Any:
+            if write_item.tensor_data is None:  # an object (a module's extra state), pickled by torch's planner
+                return super().resolve_data(write_item)
             name = write_item.index.fqn.removeprefix(self.prefix)
-            assert write_item.tensor_data is not None
             chunk = write_item.tensor_data.chunk
             shape = tuple(write_item.tensor_data.size)
             row = math.prod(shape[1:]) if shape else 1
