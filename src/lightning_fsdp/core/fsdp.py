@@ -367,9 +367,10 @@ def _extra_states(module: Module) -> dict[str, Module]:
     """The submodules that save an extra state (they override ``get_extra_state``), by the name of its entry."""
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
+    # a module held under several names saves its extra state under each, as `Module.state_dict` visits it
     return {
         clean_tensor_name(_join(name, _EXTRA_STATE_KEY_SUFFIX)): submodule
-        for name, submodule in module.named_modules()
+        for name, submodule in module.named_modules(remove_duplicate=False)
         if type(submodule).get_extra_state is not Module.get_extra_state
     }
 

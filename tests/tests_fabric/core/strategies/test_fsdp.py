@@ -13,6 +13,7 @@ from lightning_fsdp.core.fsdp import (
     FSDPStrategy,
     _check_module_state,
     _copy_module_state,
+    _extra_states,
     _fsdp_layout,
     _load_full_checkpoint,
 )
@@ -367,6 +368,10 @@ def _run_extra_state(strategy, tmp_path):
 @RunIf(min_torch="2.4")
 def test_fsdp_load_sets_extra_state(tmp_path):
     """A module's extra state (``get_extra_state``) is set from the checkpoint, and missing it is a strict error."""
+    # a module held under two names saves its extra state under each, and both are expected
+    shared = _WithExtraState(5, 5)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    assert set(_extra_states(model)) == {name for name in model.state_dict() if name.endswith("_extra_state")}
     _write_extra_state_files(tmp_path)
     _spawn_on_cpu(_run_extra_state, tmp_path)
 
