@@ -214,3 +214,19 @@ def test_extra_states_in_a_sharded_checkpoint(tmp_path, fsdp):
     """The distributed checkpoint stores a dict under its leaves' paths: they are the extra state's, not unexpected."""
     results = run_distributed(_run_sharded, fsdp, str(tmp_path), devices=2)
     assert results == [({"calls": 5, "scales": [0.5, 2.0]}, [4, 5, 6])] * 2
+
+
+def test_convert_writes_an_extra_state_that_holds_a_tensor(tmp_path):
+    """An extra state is written whole, a tensor inside it included, as the distributed checkpoint writes objects."""
+    import torch.distributed.checkpoint as dcp
+
+    extra = {"scale": torch.arange(3.0), "calls": 2}
+    torch.save({"w": torch.ones(4, 4), "m._extra_state": extra}, tmp_path / "raw.pt")
+    result = convert_checkpoint(tmp_path / "raw.pt", tmp_path / "out")
+    assert result.tensors == 1
+    state = {"model": {"w": torch.zeros(4, 4), "m._extra_state": {"scale": torch.zeros(3), "calls": 0}}}
+    with pytest.warns(UserWarning, match="assuming the intent is to load in a single process"):
+        dcp.load(state, checkpoint_id=tmp_path / "out", no_dist=True)
+    assert torch.equal(state["model"]["w"], torch.ones(4, 4))
+    assert torch.equal(state["model"]["m._extra_state"]["scale"], extra["scale"])
+    assert state["model"]["m._extra_state"]["calls"] == 2

@@ -256,14 +256,23 @@ def _streaming_save_planner() -> type["DefaultSavePlanner"]:
 
         def create_local_plan(self) -> SavePlan:
             plan = super().create_local_plan()
-            items = [piece for item in plan.items for piece in _split_rows(item, self.chunk_bytes)]
+            items = [
+                piece
+                for item in plan.items
+                for piece in (_split_rows(item, self.chunk_bytes) if self._from_source(item) else [item])
+            ]
             self.plan = dataclasses.replace(plan, items=items)
             self.chunks = len(items)
             return self.plan
 
+        def _from_source(self, write_item: WriteItem) -> bool:
+            return write_item.index.fqn.removeprefix(self.prefix) in self.source.specs()
+
         def resolve_data(self, write_item: WriteItem) -> Any:
-            if write_item.tensor_data is None:  # an object (a module's extra state), pickled by torch's planner
+            if not self._from_source(write_item):
+                # a module's extra state (an object, or a tensor inside one), in memory: torch's planner writes it
                 return super().resolve_data(write_item)
+            assert write_item.tensor_data is not None
             name = write_item.index.fqn.removeprefix(self.prefix)
             chunk = write_item.tensor_data.chunk
             shape = tuple(write_item.tensor_data.size)
