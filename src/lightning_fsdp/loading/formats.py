@@ -394,8 +394,7 @@ def open_every_tensor(detected: DetectedCheckpoint, weights_only: bool) -> Opene
         structure = _read_structure(detected.path, detected.format, weights_only, verify_crc=False)
         content = _as_mapping(structure.content, detected.path)
         source = ByteRangeSource(structure.locate(dict(walk_tensors(content))))
-    raw = any(isinstance(value, torch.Tensor) for value in content.values())
-    return OpenedCheckpoint(source, raw=raw, top_level_keys=[str(key) for key in content])
+    return OpenedCheckpoint(source, raw=_is_module_state_dict(content), top_level_keys=[str(key) for key in content])
 
 
 def _split_entries(
@@ -416,8 +415,9 @@ def _split_entries(
             module_extras=module_extras,
         )
 
-    raw = _is_raw_state_dict(content)
-    if module_key is None and not raw and _module_state_entries(content):
+    raw = _is_module_state_dict(content)
+    top_level_tensors = any(isinstance(value, torch.Tensor) for value in content.values())
+    if module_key is None and content and not raw and (_module_state_entries(content) or not top_level_tensors):
         # `load_raw` of a checkpoint: its one module state, as from a sharded checkpoint; nothing else is read.
         return opened(content[_module_entry(content, path)], {}, raw=False)
     module_entry = content.get(module_key) if module_key is not None else None
@@ -425,15 +425,16 @@ def _split_entries(
         return opened(module_entry, {key: value for key, value in content.items() if key != module_key}, raw=False)
     if module_key is not None and not raw:
         raise CheckpointKeyError(_no_module_entry_message(content, module_key, path))
-    # a module state dict (`load_raw` of one that holds something else is refused with what is not a tensor)
+    # a module state dict (`load_raw` of tensors beside other objects is refused, naming what is not a tensor)
     return opened(content, {}, raw=True)
 
 
-def _is_raw_state_dict(content: Mapping[Any, Any]) -> bool:
-    """Whether a file holds a module state dict alone: every value a tensor, but a module's extra state (any object).
+def _is_module_state_dict(content: Mapping[Any, Any]) -> bool:
+    """Whether a file holds a module state dict alone: every value a tensor, or a module's extra state (any object).
 
-    The core's rule (``_is_raw_state_dict``: every value a tensor), with the extra states that the package loads
-    (see :func:`~lightning_fsdp.loading.sources.split_extra_states`).
+    The core's ``_is_raw_state_dict`` requires every value to be a tensor; this package also loads the extra states
+    (see :func:`~lightning_fsdp.loading.sources.split_extra_states`), so it takes a file that holds them for one too.
+    (The core is not imported here: ``lightning-fsdp inspect`` reads files without importing Lightning.)
 
     """
     return bool(content) and all(
@@ -453,7 +454,11 @@ def _no_module_entry_message(content: Mapping[Any, Any], module_key: str | None,
     if not content:
         return f"The checkpoint {str(path)!r} is empty: it has no entry {module_key!r} for the model. Check the path."
     if not states and any(isinstance(value, torch.Tensor) for value in content.values()):
-        others = [str(key) for key, value in content.items() if not isinstance(value, torch.Tensor)]
+        others = [
+            str(key)
+            for key, value in content.items()
+            if not isinstance(value, torch.Tensor) and not (isinstance(key, str) and is_extra_state_name(key))
+        ]
         return (
             f"The checkpoint {str(path)!r} has no entry {module_key!r} for the model, and it is not a raw module state"
             f" dict either: beside tensors it holds {quoted_names(others)}, which a module state dict does"

@@ -28,10 +28,8 @@ from lightning_fsdp.loading.errors import (
     CheckpointKeyError,
     CheckpointLoadError,
     described,
-    error_class,
     quoted_names,
     unexpected_cause,
-    upstream_kind,
 )
 from lightning_fsdp.loading.formats import (
     CheckpointFormat,
@@ -179,8 +177,9 @@ def load(path: Path, request: LoadRequest, ranks: RankInfo, options: LoadOptions
 def _one_error_type() -> Iterator[None]:
     """Every failure of a load is a :class:`CheckpointLoadError` with a short message; the error is its ``cause``.
 
-    An error of a type that upstream raises (a ``KeyError``, a ``ValueError``, as the core's optimizer checks raise)
-    stays one: it becomes the ``CheckpointLoadError`` that is also that type (see :func:`~.errors.error_class`).
+    An unexpected error (a bug, an I/O error) becomes a plain ``CheckpointLoadError``, whatever its type: only the
+    checks that stand for upstream's raise its types (``CheckpointKeyError``, ``CheckpointValueError``), so that code
+    that catches ``KeyError`` for a missing key does not catch a bug too.
 
     """
     try:
@@ -189,7 +188,7 @@ def _one_error_type() -> Iterator[None]:
         raise
     except Exception as error:
         message = f"{type(error).__name__}: {first_line(error)}"
-        raise error_class(upstream_kind(error))(message, cause=error) from unexpected_cause(error)
+        raise CheckpointLoadError(message, cause=error) from unexpected_cause(error)
 
 
 def _load_file(
@@ -297,10 +296,12 @@ def _prepare(request: LoadRequest, opened: OpenedCheckpoint, collected: ModuleTa
     source = with_declared_conversions(request.module, opened.source, targets)
     # a module's extra state is set whole, whatever it holds (a tensor too): it is matched apart from the tensors
     tensor_names = {name for target in targets for name in target.names}
-    extra_entries = {name for name in source.specs() if is_extra_state_name(name) and name not in tensor_names}
+    # in the file's order, the same on every rank (the messages list them so)
+    extra_entries = [name for name in source.specs() if is_extra_state_name(name) and name not in tensor_names]
+    excluded = set(extra_entries)
     plan = plan_load(
         targets,
-        {name: spec for name, spec in source.specs().items() if name not in extra_entries},
+        {name: spec for name, spec in source.specs().items() if name not in excluded},
         strict=request.strict,
         rename=request.rename,
         ties=_ties(request.module),
