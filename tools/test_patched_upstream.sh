@@ -17,23 +17,13 @@ cd "$(dirname "$0")/.."
 PY=${1:-${PY:-.venv/bin/python}}
 case "$PY" in /*) ;; */*) PY=$PWD/$PY ;; esac
 PROJECT=$PWD
-PINNED=7f0c3436cd3f6ad3753125672024fc415cbcb414
 started=$(date +%s)
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
-GIT_DIR_=${LIGHTNING_GIT_DIR:-/work/.mirror/Lightning-AI+pytorch-lightning/repo}
-if ! git --git-dir="$GIT_DIR_" cat-file -e "$PINNED" 2>/dev/null; then
-    GIT_DIR_=$WORK/lightning.git
-    if ! timeout 300 git clone --quiet --bare --filter=blob:none https://github.com/Lightning-AI/pytorch-lightning.git \
-        "$GIT_DIR_" 2>/dev/null; then
-        # Lightning's tests are on no package registry: without a repository there is nothing to run them from.
-        echo "patched-upstream check SKIPPED: no git repository of Lightning holding $PINNED (set LIGHTNING_GIT_DIR)" \
-            "and GitHub not reachable. The core's own tests (tests/tests_fabric/core/) ran in the package's suite." >&2
-        [ "${REQUIRE_LIGHTNING_SOURCE:-0}" = 1 ] && exit 1
-        exit 0
-    fi
-fi
+CHECK="patched-upstream check"
+ELSEWHERE="The core's own tests (tests/tests_fabric/core/) ran in the package's suite."
+source tools/lightning_source.sh
 TREE=$WORK/lightning
 "$PY" tools/upstream_series.py "$TREE" --from-git "$GIT_DIR_@$PINNED" --apply
 
