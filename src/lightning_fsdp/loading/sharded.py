@@ -45,6 +45,7 @@ from lightning_fsdp.loading.sharded_metadata import _SafetensorsSliceInfo, read_
 from lightning_fsdp.loading.sharded_readers import CheckedFileSystemReader, SafetensorsSlicesReader, _unpickling_reason
 from lightning_fsdp.loading.sources import materialize
 from lightning_fsdp.loading.torch_pickle import first_line
+from lightning_fsdp.loading.validation import name_problems, strict_false_fix
 
 _T = TypeVar("_T")
 
@@ -264,22 +265,11 @@ def _check_against_model(
     for key in optimizer_keys:
         mismatches += _optimizer_mismatches(entries, key, model_state)
 
-    problems = []
-    if strict and missing:
-        problems.append(f"{len(missing)} missing key(s), in the model but not the checkpoint: {quoted_names(missing)}")
-    if strict and unexpected:
-        problems.append(
-            f"{len(unexpected)} unexpected key(s), in the checkpoint but not the model: {quoted_names(unexpected)}"
-        )
+    problems = name_problems(missing, unexpected) if strict else []
     if mismatches:
         problems.append(f"{len(mismatches)} entr(y/ies) that cannot be loaded: {shown_items(mismatches)}")
     if problems:
-        leaving = f"leaving the model's {len(missing)} missing tensor(s) ({quoted_names(missing)}) as they were, "
-        fix = (
-            f" To load only the tensors that match, {leaving if missing else ''}pass `strict=False`."
-            if strict and not mismatches
-            else ""
-        )
+        fix = f" {strict_false_fix(missing)}" if strict and not mismatches else ""
         raise CheckpointLoadError(
             "The sharded checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
             + "\n- ".join(problems)

@@ -186,14 +186,8 @@ def plan_load(
             plan.declined = declined
     _match_extra_states(plan, extra_states or {}, extra_entries, plan.aligned if rename is None else rename)
 
-    problems = []
     missing, unexpected = plan.all_missing, plan.all_unexpected
-    if strict and missing:
-        problems.append(f"{len(missing)} missing key(s), in the model but not the checkpoint: {quoted_names(missing)}")
-    if strict and unexpected:
-        problems.append(
-            f"{len(unexpected)} unexpected key(s), in the checkpoint but not the model: {quoted_names(unexpected)}"
-        )
+    problems = name_problems(missing, unexpected) if strict else []
     if shape_mismatches:
         problems.append(f"{len(shape_mismatches)} shape mismatch(es): {shown_items(shape_mismatches)}")
     if dtype_mismatches:
@@ -221,7 +215,7 @@ def plan_load(
             and inner is None
             and paired is None
         ):
-            fixes.append(f"To load only the tensors that match, {_leaving(missing)}pass `strict=False`.")
+            fixes.append(strict_false_fix(missing))
         raise CheckpointLoadError(
             "The checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
             + "\n- ".join(problems)
@@ -474,6 +468,23 @@ def _renamed(specs: Iterable[str], rename: Rename) -> dict[str, str]:
             )
         originals[new] = name
     return originals
+
+
+def name_problems(missing: Sequence[str], unexpected: Sequence[str]) -> list[str]:
+    """The lines of a strict error for the missing and unexpected names (of a checkpoint file or directory)."""
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing key(s), in the model but not the checkpoint: {quoted_names(missing)}")
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected key(s), in the checkpoint but not the model: {quoted_names(unexpected)}"
+        )
+    return problems
+
+
+def strict_false_fix(missing: Sequence[str]) -> str:
+    """The fix that a strict error gives where ``strict=False`` would load the rest."""
+    return f"To load only the tensors that match, {_leaving(missing)}pass `strict=False`."
 
 
 def _leaving(missing: Sequence[str]) -> str:
