@@ -105,13 +105,16 @@ class NamePlan:
 
     def skipped_summary(self) -> str:
         parts = []
-        missing, unexpected = self.all_missing, self.all_unexpected
+        missing, unexpected = self.missing, self.all_unexpected
         if missing:
             parts.append(
                 f"{len(missing)} missing key(s) left as they were ({quoted_names(missing)}): they keep the"
                 " values they had before the load, from the model's initialisation (none, with"
                 " `init_module(empty_init=True)` and no initialisation that writes them: a warning names those)"
             )
+        if self.missing_extra:
+            extra = self.missing_extra
+            parts.append(f"{len(extra)} missing extra state(s) left as they were ({quoted_names(extra)})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected key(s) ignored ({quoted_names(unexpected)})")
         if parts and self.declined is not None:
@@ -215,7 +218,7 @@ def plan_load(
             and inner is None
             and paired is None
         ):
-            fixes.append(strict_false_fix(missing))
+            fixes.append(strict_false_fix(plan.missing, plan.missing_extra))
         raise CheckpointLoadError(
             "The checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
             + "\n- ".join(problems)
@@ -482,18 +485,19 @@ def name_problems(missing: Sequence[str], unexpected: Sequence[str]) -> list[str
     return problems
 
 
-def strict_false_fix(missing: Sequence[str]) -> str:
+def strict_false_fix(missing: Sequence[str], missing_extra: Sequence[str] = ()) -> str:
     """The fix that a strict error gives where ``strict=False`` would load the rest."""
-    return f"To load only the tensors that match, {_leaving(missing)}pass `strict=False`."
+    return f"To load only the tensors that match, {_leaving(missing, missing_extra)}pass `strict=False`."
 
 
-def _leaving(missing: Sequence[str]) -> str:
-    """The clause that names the model tensors that ``strict=False`` would leave as they were (empty if none)."""
-    return (
-        f"leaving the model's {len(missing)} missing tensor(s) ({quoted_names(missing)}) as they were, "
-        if missing
-        else ""
-    )
+def _leaving(missing: Sequence[str], missing_extra: Sequence[str] = ()) -> str:
+    """The clause that names what of the model ``strict=False`` would leave as it was (empty if nothing)."""
+    left = []
+    if missing:
+        left.append(f"{len(missing)} missing tensor(s) ({quoted_names(missing)})")
+    if missing_extra:
+        left.append(f"{len(missing_extra)} missing extra state(s) ({quoted_names(missing_extra)})")
+    return f"leaving the model's {' and '.join(left)} as they were, " if left else ""
 
 
 def _describe(aligned: Mapping[str, str]) -> str:
