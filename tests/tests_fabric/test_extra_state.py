@@ -210,6 +210,12 @@ def _run_sharded(fsdp: int, directory: str) -> tuple[Any, Any]:
     next(module for module in loaded.modules() if isinstance(module, Counted)).counts = {"calls": 0, "scales": [1.0]}
     fabric.load(f"{directory}/sharded", {"model": loaded})
     assert all(torch.equal(value, _weights(model)[key]) for key, value in _weights(loaded).items())
+    # a key of the extra state that the checkpoint lacks: the fix names the extra state, not a tensor
+    other = _fresh(fabric)
+    next(module for module in other.modules() if isinstance(module, Counted)).counts = {"calls": 0, "new": 1}
+    leaving = r"leaving the model's 1 missing extra state\(s\) \('0._extra_state'\) as they were"
+    with pytest.raises(CheckpointLoadError, match=f"(?s)missing key.*'0._extra_state.new'.*{leaving}"):
+        fabric.load(f"{directory}/sharded", {"model": other})
     return _extra(loaded)
 
 
@@ -227,7 +233,7 @@ def test_convert_writes_an_extra_state_that_holds_a_tensor(tmp_path):
     extra = {"scale": torch.arange(3.0), "calls": 2}
     torch.save({"w": torch.ones(4, 4), "m._extra_state": extra}, tmp_path / "raw.pt")
     result = convert_checkpoint(tmp_path / "raw.pt", tmp_path / "out")
-    assert result.tensors == 1
+    assert (result.tensors, result.chunks) == (1, 1)  # the extra state is no chunk of a tensor
     state = {"model": {"w": torch.zeros(4, 4), "m._extra_state": {"scale": torch.zeros(3), "calls": 0}}}
     with pytest.warns(UserWarning, match="assuming the intent is to load in a single process"):
         dcp.load(state, checkpoint_id=tmp_path / "out", no_dist=True)

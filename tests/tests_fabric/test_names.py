@@ -308,7 +308,11 @@ def test_fabric_load_without_the_model_entry_names_the_calls_that_work(tmp_path,
             r"1 of them hold a module state \('student'\).*takes one entry named 'model' or 'state_dict'.*"
             r"`fabric.load\(path, \{'student': model\}\)`",
         ),
-        ({"optimizer": {"state": {}, "param_groups": []}, "step": 1}, r"none of them holds a module state"),
+        (
+            {"optimizer": {"state": {}, "param_groups": []}, "step": 1},
+            r"none of them holds a module state \(a dict of tensors\): it holds no model weights to load\.",
+        ),
+        ({}, r"is empty: it holds no model weights\. Check the path\."),
     ],
 )
 def test_load_raw_refuses_an_ambiguous_checkpoint(tmp_path, state_dict, content, pattern):

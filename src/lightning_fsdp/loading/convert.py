@@ -262,7 +262,7 @@ def _streaming_save_planner() -> type["DefaultSavePlanner"]:
                 for piece in (_split_rows(item, self.chunk_bytes) if self._from_source(item) else [item])
             ]
             self.plan = dataclasses.replace(plan, items=items)
-            self.chunks = len(items)
+            self.chunks = sum(1 for item in items if self._from_source(item))  # the tensors' chunks, read from the file
             return self.plan
 
         def _from_source(self, write_item: WriteItem) -> bool:

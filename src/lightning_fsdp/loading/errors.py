@@ -80,7 +80,14 @@ _UPSTREAM_TYPES: dict[str, tuple[type[Exception], type[CheckpointLoadError]]] = 
 
 
 def upstream_kind(error: BaseException) -> str | None:
-    """The name of the upstream type that ``error`` is (``"KeyError"``, ``"ValueError"``), if it is one of them."""
+    """The upstream type (``"KeyError"``, ``"ValueError"``) of a :class:`CheckpointLoadError` that is also one of them.
+
+    Only the checks that stand for upstream's errors raise those; any other exception (a bug, an I/O error) has no
+    kind, so that every rank reports it as a plain ``CheckpointLoadError``.
+
+    """
+    if not isinstance(error, CheckpointLoadError):
+        return None
     return next((kind for kind, (base, _) in _UPSTREAM_TYPES.items() if isinstance(error, base)), None)
 
 

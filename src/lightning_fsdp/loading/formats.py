@@ -382,7 +382,7 @@ def open_every_tensor(detected: DetectedCheckpoint, weights_only: bool) -> Opene
     """Open every tensor of a checkpoint file, each named by its dotted path (``optimizer.state.w.exp_avg``).
 
     For inspecting a file: the same reading and checks as :func:`open_checkpoint`, whatever the file holds.
-    ``raw`` says whether the file is a module state dict (tensors at its top level).
+    ``raw`` says whether the file is a module state dict (every value a tensor or a module's extra state).
 
     """
     if detected.format in (CheckpointFormat.SAFETENSORS, CheckpointFormat.HF_INDEX):
@@ -415,9 +415,12 @@ def _split_entries(
             module_extras=module_extras,
         )
 
+    if not content and module_key is None:
+        # upstream's `load_raw` would report every name of the model as missing (and `fabric.load` the model's key)
+        raise CheckpointLoadError(f"The checkpoint {str(path)!r} is empty: it holds no model weights. Check the path.")
     raw = _is_module_state_dict(content)
     top_level_tensors = any(isinstance(value, torch.Tensor) for value in content.values())
-    if module_key is None and content and not raw and (_module_state_entries(content) or not top_level_tensors):
+    if module_key is None and not raw and (_module_state_entries(content) or not top_level_tensors):
         # `load_raw` of a checkpoint: its one module state, as from a sharded checkpoint; nothing else is read.
         return opened(content[_module_entry(content, path)], {}, raw=False)
     module_entry = content.get(module_key) if module_key is not None else None
@@ -491,8 +494,7 @@ def _module_entry(content: Mapping[Any, Any], path: Path) -> str:
     if not states:
         raise CheckpointLoadError(
             f"The file {str(path)!r} is not a raw module state dict but a checkpoint with the entries {shown}, and none"
-            " of them holds a module state (a dict of tensors). Load it with `fabric.load(path, {'model': model,"
-            " ...})`, naming the entry of the model."
+            " of them holds a module state (a dict of tensors): it holds no model weights to load. Check the path."
         )
     choices = " or ".join(f"`fabric.load(path, {{{key!r}: model}})`" for key in states[:5])
     raise CheckpointLoadError(

@@ -43,7 +43,7 @@ from lightning_fsdp.loading.files import (
 from lightning_fsdp.loading.quiet import torch_internal_warnings_silenced
 from lightning_fsdp.loading.sharded_metadata import _SafetensorsSliceInfo, read_checked_metadata
 from lightning_fsdp.loading.sharded_readers import CheckedFileSystemReader, SafetensorsSlicesReader, _unpickling_reason
-from lightning_fsdp.loading.sources import materialize
+from lightning_fsdp.loading.sources import is_extra_state_name, materialize
 from lightning_fsdp.loading.torch_pickle import first_line
 from lightning_fsdp.loading.validation import name_problems, strict_false_fix
 
@@ -246,7 +246,7 @@ def _check_against_model(
 
     entries = metadata.state_dict_metadata
     # DCP stores a nested value (a module's extra state that is a dict) under the dotted path of each of its leaves
-    flat_state, _ = flatten_state_dict(dict(model_state))
+    flat_state, paths = flatten_state_dict(dict(model_state))
     mismatches: list[str] = []
     missing = []
     for name, value in flat_state.items():
@@ -269,7 +269,10 @@ def _check_against_model(
     if mismatches:
         problems.append(f"{len(mismatches)} entr(y/ies) that cannot be loaded: {shown_items(mismatches)}")
     if problems:
-        fix = f" {strict_false_fix(missing)}" if strict and not mismatches else ""
+        # the fix names an extra state by its entry, not by the leaves that DCP stored it under
+        extra = list(dict.fromkeys(str(paths[name][0]) for name in missing if _in_extra_state(paths[name])))
+        tensors = [name for name in missing if not _in_extra_state(paths[name])]
+        fix = f"\n{strict_false_fix(tensors, extra)}" if strict and not mismatches else ""
         raise CheckpointLoadError(
             "The sharded checkpoint does not match the model; nothing was loaded and the model is unchanged.\n- "
             + "\n- ".join(problems)
@@ -281,6 +284,11 @@ def _check_against_model(
     if unexpected:
         skipped.append(f"{len(unexpected)} unexpected key(s) ignored ({quoted_names(unexpected)})")
     return "; ".join(skipped)
+
+
+def _in_extra_state(path: Sequence[Any]) -> bool:
+    """Whether a flattened entry (its path in the state dict) is, or is in, a module's extra state."""
+    return isinstance(path[0], str) and is_extra_state_name(path[0])
 
 
 def _optimizer_mismatches(entries: Mapping[str, Any], key: str, model_state: Mapping[str, Any]) -> list[str]:
