@@ -10,6 +10,7 @@ A sharded checkpoint (torch's distributed checkpoint, which stores a dict under 
 them too, one written by Fabric or by ``convert_checkpoint``. Each case runs on FSDP1 and FSDP2, on two CPU ranks.
 """
 
+import os
 from contextlib import nullcontext
 from typing import Any
 from unittest import mock
@@ -23,6 +24,7 @@ from lightning_fsdp import FSDPStrategy, ModelParallelStrategy, convert_checkpoi
 from lightning_fsdp.core.fsdp import FSDPStrategy as CoreFSDPStrategy
 from lightning_fsdp.core.model_parallel import ModelParallelStrategy as CoreModelParallelStrategy
 from lightning_fsdp.loading.errors import CheckpointLoadError
+from lightning_fsdp.saving import CheckpointSaveError, save_safetensors
 from tests.tests_fabric.helpers.distributed import run_distributed
 
 _CORE = {FSDPStrategy: CoreFSDPStrategy, ModelParallelStrategy: CoreModelParallelStrategy}
@@ -176,8 +178,10 @@ def _run(fsdp: int, directory: str) -> list[str]:
     assert _extra(model) == expected
     done.append("converted")
 
-    # the save holds them as Lightning's own save does (the package falls back to it for such a model)
-    fabric.save(f"{directory}/saved-{fsdp}.ckpt", {"model": model})
+    # the save holds them as Lightning's own save does (the package falls back to it for such a model, and says why)
+    fallback = r"by gathering it on rank 0 \(Lightning's way\).*the model saves an extra state \('0._extra_state'"
+    with pytest.warns(UserWarning, match=fallback) if fabric.global_rank == 0 else nullcontext():
+        fabric.save(f"{directory}/saved-{fsdp}.ckpt", {"model": model})
     fabric.barrier()
     saved = torch.load(f"{directory}/saved-{fsdp}.ckpt", weights_only=True)["model"]
     assert saved["0._extra_state"] == {"calls": 3}
@@ -187,13 +191,21 @@ def _run(fsdp: int, directory: str) -> list[str]:
         if name != "0._extra_state":
             assert torch.equal(saved[name], value), name
     done.append("saved")
+
+    # `save_safetensors` has no gather to fall back to: it refuses, on every rank, and writes nothing
+    refused = r"cannot write .*: the model saves an extra state \('0._extra_state'"
+    with pytest.raises(CheckpointSaveError, match=refused):
+        save_safetensors(fabric, f"{directory}/export-{fsdp}.safetensors", model)
+    assert not os.path.exists(f"{directory}/export-{fsdp}.safetensors")
+    done.append("safetensors refused")
     return done
 
 
 @pytest.mark.parametrize("fsdp", [1, 2], ids=["fsdp1", "fsdp2"])
 def test_extra_states_load_and_save_whole(tmp_path, fsdp):
     results = run_distributed(_run, fsdp, str(tmp_path), devices=2)
-    assert results == [["full", "raw", "missing", "unexpected", "aligned", "converted", "saved"]] * 2
+    cases = ["full", "raw", "missing", "unexpected", "aligned", "converted", "saved", "safetensors refused"]
+    assert results == [cases] * 2
 
 
 def _run_sharded(fsdp: int, directory: str) -> tuple[Any, Any]:
