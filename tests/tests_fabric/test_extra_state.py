@@ -252,3 +252,31 @@ def test_convert_writes_an_extra_state_that_holds_a_tensor(tmp_path):
     assert torch.equal(state["model"]["w"], torch.ones(4, 4))
     assert torch.equal(state["model"]["m._extra_state"]["scale"], extra["scale"])
     assert state["model"]["m._extra_state"]["calls"] == 2
+
+
+@pytest.mark.parametrize("fabric_checkpoint", [False, True], ids=["raw", "fabric"])
+def test_extra_state_bytes_come_from_the_file_and_code_in_one_never_runs(tmp_path, fabric_checkpoint):
+    """A tensor inside an extra state is read by its proven byte range; a pickled payload there is refused unrun."""
+    from lightning_fsdp.loading.formats import detect_checkpoint, open_checkpoint
+    from lightning_fsdp.loading.sources import TensorRef, materialize
+    from tests.tests_fabric.helpers.checkpoints import MarkerPayload
+
+    def save(extra: Any, path: Any) -> None:
+        state = {"w": torch.ones(2, 3), "m._extra_state": extra}
+        torch.save({"model": state, "step": 1} if fabric_checkpoint else state, path)
+
+    key = "model" if fabric_checkpoint else None
+    save({"scale": torch.arange(4.0), "calls": 2}, tmp_path / "extra.pt")
+    opened = open_checkpoint(detect_checkpoint(tmp_path / "extra.pt"), key, weights_only=True)
+    assert set(opened.source.specs()) == {"w"}
+    assert isinstance(opened.module_extras["m._extra_state"]["scale"], TensorRef)
+    extra = materialize(opened.module_extras)["m._extra_state"]
+    assert torch.equal(extra["scale"], torch.arange(4.0))
+    assert extra["calls"] == 2
+    opened.close()
+
+    marker = tmp_path / "ran"
+    save(MarkerPayload(marker), tmp_path / "payload.pt")
+    with pytest.raises(CheckpointLoadError, match="Refused to unpickle"):
+        open_checkpoint(detect_checkpoint(tmp_path / "payload.pt"), key, weights_only=True)
+    assert not marker.exists()
