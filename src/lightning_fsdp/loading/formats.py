@@ -441,8 +441,7 @@ def _is_module_state_dict(content: Mapping[Any, Any]) -> bool:
 
     """
     return bool(content) and all(
-        isinstance(value, torch.Tensor) or (isinstance(key, str) and is_extra_state_name(key))
-        for key, value in content.items()
+        isinstance(value, torch.Tensor) or is_extra_state_name(key) for key, value in content.items()
     )
 
 
@@ -460,7 +459,7 @@ def _no_module_entry_message(content: Mapping[Any, Any], module_key: str | None,
         others = [
             str(key)
             for key, value in content.items()
-            if not isinstance(value, torch.Tensor) and not (isinstance(key, str) and is_extra_state_name(key))
+            if not isinstance(value, torch.Tensor) and not is_extra_state_name(key)
         ]
         return (
             f"The checkpoint {str(path)!r} has no entry {module_key!r} for the model, and it is not a raw module state"

@@ -288,7 +288,7 @@ def _check_against_model(
 
 def _in_extra_state(path: Sequence[Any]) -> bool:
     """Whether a flattened entry (its path in the state dict) is, or is in, a module's extra state."""
-    return isinstance(path[0], str) and is_extra_state_name(path[0])
+    return is_extra_state_name(path[0])
 
 
 def _optimizer_mismatches(entries: Mapping[str, Any], key: str, model_state: Mapping[str, Any]) -> list[str]:

@@ -427,9 +427,9 @@ def walk_tensors(obj: Any) -> list[tuple[str, Any]]:
     return found
 
 
-def is_extra_state_name(name: str) -> bool:
-    """Whether ``name`` is the entry of a module's extra state (``get_extra_state``), which may hold any object."""
-    return name == _EXTRA_STATE_KEY_SUFFIX or name.endswith(f".{_EXTRA_STATE_KEY_SUFFIX}")
+def is_extra_state_name(name: object) -> bool:
+    """Whether ``name`` (any key of a state dict) names a module's extra state (``get_extra_state``): any object."""
+    return isinstance(name, str) and (name == _EXTRA_STATE_KEY_SUFFIX or name.endswith(f".{_EXTRA_STATE_KEY_SUFFIX}"))
 
 
 def split_extra_states(state_dict: Mapping[Any, Any]) -> tuple[dict[Any, Any], dict[str, Any]]:
@@ -442,7 +442,7 @@ def split_extra_states(state_dict: Mapping[Any, Any]) -> tuple[dict[Any, Any], d
     extras = {
         key: value
         for key, value in state_dict.items()
-        if isinstance(key, str) and is_extra_state_name(key) and not isinstance(value, (torch.Tensor, TensorRef))
+        if is_extra_state_name(key) and not isinstance(value, (torch.Tensor, TensorRef))
     }
     tensors = {key: value for key, value in state_dict.items() if key not in extras}
     check_state_dict(tensors)
